@@ -1,1 +1,15 @@
+//! agentloop's shared library: domain types, diesel schema and queries, the scheduler protocol,
+//! the notification protocol, configuration, the model provider client and the tools, used by
+//! both the `agentloop-api` and `agentloop-worker` binaries.
 
+pub mod auth;
+pub mod config;
+pub mod db;
+pub mod events;
+pub mod messages;
+pub mod provider;
+pub mod runs;
+pub mod scheduler;
+pub mod telemetry;
+pub mod threads;
+pub mod tokens;

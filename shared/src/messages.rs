@@ -1,0 +1,252 @@
+//! Canonical, append-oriented message history (SPEC §3, seed 000 "Representations and
+//! invariants").
+//!
+//! Rows are never updated except `active`. Each row has a gap-free per-thread `sequence` (the
+//! stable cursor) and a per-thread monotonic `timestamp_ms` identity
+//! (`max(now_ms, last + 1)`), both allocated under the thread row lock by [`append`].
+
+use chrono::{DateTime, Utc};
+use diesel::prelude::*;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::db::schema::{messages, threads};
+use crate::events;
+
+/// Message roles of the OpenAI Chat Completions model.
+pub mod role {
+    pub const SYSTEM: &str = "system";
+    pub const DEVELOPER: &str = "developer";
+    pub const USER: &str = "user";
+    pub const ASSISTANT: &str = "assistant";
+    pub const TOOL: &str = "tool";
+}
+
+/// One canonical message row.
+#[derive(Debug, Clone, Queryable, Selectable, Serialize, PartialEq)]
+#[diesel(table_name = messages)]
+#[serde(rename_all = "camelCase")]
+pub struct Message {
+    #[serde(skip)]
+    pub id: i64,
+    #[serde(skip)]
+    pub thread_id: Uuid,
+    pub sequence: i64,
+    /// Monotonic identity, ms since the Unix epoch.
+    #[serde(rename = "timestamp")]
+    pub timestamp_ms: i64,
+    pub role: String,
+    /// A JSON string, or an array of content parts (`{type:"text",text}`, ...).
+    pub content: serde_json::Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
+    pub run_id: Option<Uuid>,
+    pub step_id: Option<i64>,
+    pub token_estimate: i32,
+    #[serde(skip)]
+    pub byte_size: i32,
+    pub active: bool,
+    pub created_at: DateTime<Utc>,
+}
+
+impl Message {
+    /// The content as plain text (text parts joined by newlines).
+    pub fn text(&self) -> String {
+        content_text(&self.content)
+    }
+}
+
+/// Plain text of a content value: a string, or the `text` of its text parts joined by newlines.
+pub fn content_text(content: &serde_json::Value) -> String {
+    match content {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        serde_json::Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
+/// A message to append. `identity` is the timestamp identity it already received in an
+/// earlier successful [`append`] (a re-delivery), or `None` for a new message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewMessage {
+    pub role: String,
+    pub content: serde_json::Value,
+    pub tool_calls: Option<serde_json::Value>,
+    pub tool_call_id: Option<String>,
+    pub reasoning: Option<String>,
+    pub token_estimate: i32,
+}
+
+impl NewMessage {
+    /// A plain text message of `role`.
+    pub fn text(role: &str, text: impl Into<String>) -> Self {
+        let text = text.into();
+        let token_estimate = crate::tokens::estimate_text(&text) as i32;
+        Self {
+            role: role.to_owned(),
+            content: serde_json::Value::String(text),
+            tool_calls: None,
+            tool_call_id: None,
+            reasoning: None,
+            token_estimate,
+        }
+    }
+}
+
+/// Provenance stamped on appended rows.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Provenance {
+    pub run_id: Option<Uuid>,
+    pub step_id: Option<i64>,
+}
+
+#[derive(Insertable)]
+#[diesel(table_name = messages)]
+struct MessageRow<'a> {
+    thread_id: Uuid,
+    sequence: i64,
+    timestamp_ms: i64,
+    role: &'a str,
+    content: &'a serde_json::Value,
+    tool_calls: Option<&'a serde_json::Value>,
+    tool_call_id: Option<&'a str>,
+    reasoning: Option<&'a str>,
+    run_id: Option<Uuid>,
+    step_id: Option<i64>,
+    token_estimate: i32,
+    byte_size: i32,
+}
+
+/// Appends `new` to `thread_id`'s active history, in order, allocating gap-free sequences and
+/// monotonic timestamp identities under the thread row lock, and journals one `message` event
+/// per row. Must run inside the caller's transaction (with the run's fence, for a worker).
+///
+/// `known_identities[i]`, when `Some`, is the identity message `i` received in an earlier
+/// committed append: if a row with that identity exists, message `i` is skipped (re-delivery
+/// appends nothing). Returns `(index into new, row)` for each row inserted.
+pub async fn append(
+    conn: &mut AsyncPgConnection,
+    thread_id: Uuid,
+    provenance: Provenance,
+    new: &[NewMessage],
+    known_identities: &[Option<i64>],
+) -> QueryResult<Vec<(usize, Message)>> {
+    let claimed: Vec<i64> = known_identities.iter().flatten().copied().collect();
+    let existing: Vec<i64> = if claimed.is_empty() {
+        Vec::new()
+    } else {
+        messages::table
+            .filter(messages::thread_id.eq(thread_id))
+            .filter(messages::timestamp_ms.eq_any(&claimed))
+            .select(messages::timestamp_ms)
+            .load(conn)
+            .await?
+    };
+    let fresh: Vec<usize> = (0..new.len())
+        .filter(|&i| !matches!(known_identities.get(i), Some(Some(ts)) if existing.contains(ts)))
+        .collect();
+    if fresh.is_empty() {
+        return Ok(Vec::new());
+    }
+    let k = fresh.len() as i64;
+    // One statement allocates k sequences and k timestamps: max(now_ms, last + 1) onwards.
+    let (last_sequence, last_ts): (i64, i64) = diesel::update(threads::table.find(thread_id))
+        .set((
+            threads::last_sequence.eq(threads::last_sequence + k),
+            threads::message_count.eq(threads::message_count + k as i32),
+            threads::last_timestamp_ms.eq(diesel::dsl::sql::<diesel::sql_types::BigInt>(&format!(
+                "GREATEST(last_timestamp_ms + {k}, (extract(epoch from clock_timestamp()) * 1000)::bigint + {})",
+                k - 1
+            ))),
+            threads::updated_at.eq(diesel::dsl::now),
+        ))
+        .returning((threads::last_sequence, threads::last_timestamp_ms))
+        .get_result(conn)
+        .await?;
+    let first_sequence = last_sequence - k + 1;
+    let first_ts = last_ts - k + 1;
+    let rows: Vec<MessageRow> = fresh
+        .iter()
+        .enumerate()
+        .map(|(j, &i)| {
+            let m = &new[i];
+            let byte_size = m.content.to_string().len()
+                + m.tool_calls.as_ref().map_or(0, |t| t.to_string().len())
+                + m.reasoning.as_ref().map_or(0, |r| r.len());
+            MessageRow {
+                thread_id,
+                sequence: first_sequence + j as i64,
+                timestamp_ms: first_ts + j as i64,
+                role: &m.role,
+                content: &m.content,
+                tool_calls: m.tool_calls.as_ref(),
+                tool_call_id: m.tool_call_id.as_deref(),
+                reasoning: m.reasoning.as_deref(),
+                run_id: provenance.run_id,
+                step_id: provenance.step_id,
+                token_estimate: m.token_estimate,
+                byte_size: byte_size as i32,
+            }
+        })
+        .collect();
+    let inserted: Vec<Message> = diesel::insert_into(messages::table)
+        .values(&rows)
+        .returning(Message::as_returning())
+        .get_results(conn)
+        .await?;
+    for message in &inserted {
+        events::append(conn, thread_id, events::kind::MESSAGE, &serde_json::to_value(message).unwrap_or_default())
+            .await?;
+    }
+    Ok(fresh.into_iter().zip(inserted).collect())
+}
+
+/// Active messages of `thread_id` with `sequence > after`, in sequence order (context building).
+pub async fn active_after(conn: &mut AsyncPgConnection, thread_id: Uuid, after: i64) -> QueryResult<Vec<Message>> {
+    messages::table
+        .filter(messages::thread_id.eq(thread_id))
+        .filter(messages::active.eq(true))
+        .filter(messages::sequence.gt(after))
+        .order(messages::sequence.asc())
+        .select(Message::as_select())
+        .load(conn)
+        .await
+}
+
+/// The first `head` and last `tail` active messages (each in sequence order, possibly
+/// overlapping when the thread is short). Two index range scans: cost independent of length.
+pub async fn head_and_tail(
+    conn: &mut AsyncPgConnection,
+    thread_id: Uuid,
+    head: i64,
+    tail: i64,
+) -> QueryResult<(Vec<Message>, Vec<Message>)> {
+    let first = messages::table
+        .filter(messages::thread_id.eq(thread_id))
+        .filter(messages::active.eq(true))
+        .order(messages::sequence.asc())
+        .limit(head)
+        .select(Message::as_select())
+        .load(conn)
+        .await?;
+    let mut last: Vec<Message> = messages::table
+        .filter(messages::thread_id.eq(thread_id))
+        .filter(messages::active.eq(true))
+        .order(messages::sequence.desc())
+        .limit(tail)
+        .select(Message::as_select())
+        .load(conn)
+        .await?;
+    last.reverse();
+    Ok((first, last))
+}
