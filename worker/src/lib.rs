@@ -1,1 +1,83 @@
+//! agentloop worker: claims runs under expiring leases and executes slices (SPEC §5-§6).
+//!
+//! [`runner`] is the claim loop (concurrency, wake-ups, shutdown); [`slice`] is one slice.
 
+pub mod runner;
+pub mod slice;
+
+use std::time::Duration;
+
+use agentloop_shared::config::{DbArgs, parse_millis};
+use agentloop_shared::provider::catalog::ModelArgs;
+
+/// Options of `agentloop-worker run` (defaults from SPEC §12).
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerConfig {
+    #[command(flatten)]
+    pub db: DbArgs,
+
+    #[command(flatten)]
+    pub models: ModelArgs,
+
+    /// Slices this process runs at once (>= 1).
+    #[arg(long, env = "WORKER_CONCURRENCY", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    pub concurrency: u32,
+
+    /// Prefix of this worker's identity (default: the hostname); the pid and a random suffix are
+    /// always appended, so a restarted process never reuses an identity.
+    #[arg(long, env = "WORKER_ID")]
+    pub worker_id: Option<String>,
+
+    /// Lease duration in ms; a run whose lease is not renewed within it is claimable by others.
+    #[arg(long, env = "WORKER_LEASE_MS", default_value = "15000", value_parser = parse_millis)]
+    pub lease: Duration,
+
+    /// Lease renewal interval in ms (must be below half the lease).
+    #[arg(long, env = "WORKER_RENEW_MS", default_value = "5000", value_parser = parse_millis)]
+    pub renew: Duration,
+
+    /// Tool calls per slice; reaching it ends the slice and requeues the same run
+    /// (seed 000's ChatLimits.MaxIterations).
+    #[arg(long, env = "WORKER_TOOL_CALL_LIMIT", default_value_t = 25, value_parser = clap::value_parser!(u32).range(1..))]
+    pub tool_call_limit: u32,
+
+    /// Recoveries (claims of a run whose lease expired) after which the run fails `abandoned`.
+    #[arg(long, env = "WORKER_MAX_RECOVERIES", default_value_t = 5)]
+    pub max_recoveries: i32,
+
+    /// Idle safety poll in ms (covers a missed notification; no other periodic queue query).
+    #[arg(long, env = "WORKER_SAFETY_POLL_MS", default_value = "60000", value_parser = parse_millis)]
+    pub safety_poll: Duration,
+
+    /// Grace period in ms for in-flight slices to hand their runs back on SIGTERM/SIGINT.
+    #[arg(long, env = "WORKER_SHUTDOWN_GRACE_MS", default_value = "10000", value_parser = parse_millis)]
+    pub shutdown_grace: Duration,
+
+    /// Minimum interval in ms between writes of the streaming partial answer.
+    #[arg(long, env = "WORKER_STREAM_THROTTLE_MS", default_value = "250", value_parser = parse_millis)]
+    pub stream_throttle: Duration,
+
+    /// Upper bound of the built-in `sleep` tool, in seconds.
+    #[arg(long, env = "TOOL_MAX_SLEEP_SECONDS", default_value_t = 30)]
+    pub max_sleep_seconds: u64,
+}
+
+impl WorkerConfig {
+    /// Checks cross-option bounds (SPEC §12: renew < lease/2).
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.renew * 2 < self.lease, "renew interval must be below half the lease");
+        Ok(())
+    }
+}
+
+/// This process's worker identity: `<prefix>-<pid>-<6 hex>`.
+pub fn worker_identity(prefix: Option<&str>) -> String {
+    let prefix = prefix
+        .map(str::to_owned)
+        .unwrap_or_else(|| gethostname::gethostname().to_string_lossy().into_owned());
+    format!("{prefix}-{}-{:06x}", std::process::id(), rand_suffix())
+}
+
+fn rand_suffix() -> u32 {
+    (uuid::Uuid::new_v4().as_u128() & 0xff_ffff) as u32
+}

@@ -48,9 +48,9 @@ pub async fn claim(
     .await
 }
 
-/// The earliest `lease_expires_at` among running runs (the worker's recovery timer), in ms from
-/// now (negative when already expired), or `None` when nothing runs.
-pub async fn next_lease_expiry_ms(conn: &mut AsyncPgConnection) -> diesel::QueryResult<Option<i64>> {
+/// The earliest `lease_expires_at` among running runs that `worker_id` does not hold (the
+/// worker's recovery timer), in ms from now (negative when already expired), or `None`.
+pub async fn next_lease_expiry_ms(conn: &mut AsyncPgConnection, worker_id: &str) -> diesel::QueryResult<Option<i64>> {
     #[derive(diesel::QueryableByName)]
     struct Row {
         #[diesel(sql_type = diesel::sql_types::Nullable<BigInt>)]
@@ -58,8 +58,9 @@ pub async fn next_lease_expiry_ms(conn: &mut AsyncPgConnection) -> diesel::Query
     }
     let row: Row = diesel::sql_query(
         "SELECT (extract(epoch from (min(lease_expires_at) - now())) * 1000)::bigint AS ms
-         FROM runs WHERE status = 'running'",
+         FROM runs WHERE status = 'running' AND lease_owner IS DISTINCT FROM $1",
     )
+    .bind::<Text, _>(worker_id)
     .get_result(conn)
     .await?;
     Ok(row.ms)

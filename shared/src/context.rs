@@ -1,0 +1,94 @@
+//! The model context of a slice and its provider projection (SPEC §6 step 2, §9).
+//!
+//! The worker holds the context as [`ContextMessage`]s: canonical rows (with their timestamp
+//! identity) plus the messages the slice produced. What goes to a provider is always a fresh
+//! copy made by [`project`], stripped of every UI field (sequence, timestamp, provenance, usage,
+//! token estimate), so provider-specific cleanup can never touch checkpoint identities.
+
+use serde_json::{Value, json};
+
+use crate::messages::{Message, NewMessage, role};
+
+/// One message of the working context. `identity` is the canonical timestamp identity once the
+/// message is persisted (`None` until its checkpoint commits).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ContextMessage {
+    pub identity: Option<i64>,
+    pub message: NewMessage,
+}
+
+impl From<&Message> for ContextMessage {
+    fn from(m: &Message) -> Self {
+        Self {
+            identity: Some(m.timestamp_ms),
+            message: NewMessage {
+                role: m.role.clone(),
+                content: m.content.clone(),
+                tool_calls: m.tool_calls.clone(),
+                tool_call_id: m.tool_call_id.clone(),
+                reasoning: m.reasoning.clone(),
+                token_estimate: m.token_estimate,
+            },
+        }
+    }
+}
+
+/// Approximate tokens of the context (the sum of per-message estimates, SPEC §6 step 2) plus the
+/// tool schemas sent with it.
+pub fn estimate_tokens(context: &[ContextMessage], tools: &[Value]) -> i64 {
+    let messages: i64 = context.iter().map(|c| i64::from(c.message.token_estimate.max(1))).sum();
+    let schemas: i64 = tools.iter().map(|t| crate::tokens::estimate_text(&t.to_string()) as i64).sum();
+    messages + schemas
+}
+
+/// Projects the context into OpenAI Chat Completions messages: a deep copy holding only
+/// `role`, `content`, `tool_calls` and `tool_call_id` (SPEC §9).
+pub fn project(context: &[ContextMessage]) -> Vec<Value> {
+    context
+        .iter()
+        .map(|c| {
+            let m = &c.message;
+            let mut out = json!({"role": m.role, "content": m.content});
+            if m.role == role::ASSISTANT {
+                if let Some(calls) = m.tool_calls.as_ref().filter(|c| c.as_array().is_some_and(|a| !a.is_empty())) {
+                    out["tool_calls"] = calls.clone();
+                    if m.content.as_str() == Some("") {
+                        out["content"] = Value::Null;
+                    }
+                }
+            }
+            if let Some(id) = &m.tool_call_id {
+                out["tool_call_id"] = json!(id);
+            }
+            out
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn projection_strips_ui_fields_and_keeps_tool_correlation() {
+        let mut call = NewMessage::text(role::ASSISTANT, "");
+        call.tool_calls = Some(json!([{"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}]));
+        let mut result = NewMessage::text(role::TOOL, "4");
+        result.tool_call_id = Some("c1".into());
+        let context = vec![
+            ContextMessage { identity: Some(10), message: NewMessage::text(role::USER, "2+2?") },
+            ContextMessage { identity: Some(11), message: call },
+            ContextMessage { identity: None, message: result },
+        ];
+        let projected = project(&context);
+        assert_eq!(projected[0], json!({"role": "user", "content": "2+2?"}));
+        assert_eq!(projected[1]["content"], Value::Null);
+        assert_eq!(projected[1]["tool_calls"][0]["id"], "c1");
+        assert_eq!(projected[2], json!({"role": "tool", "content": "4", "tool_call_id": "c1"}));
+        for p in &projected {
+            for key in ["timestamp", "sequence", "identity", "tokenEstimate", "runId"] {
+                assert!(p.get(key).is_none(), "{key} leaked into the payload");
+            }
+        }
+    }
+}

@@ -1,0 +1,434 @@
+//! Deciding what to answer: reads one chat-completions request and produces a [`Reply`].
+//!
+//! Everything is derived from the request's own messages (plus the in-memory failure counters),
+//! so the answer is deterministic under concurrency and when a crashed client retries:
+//!
+//! - the *user text* is the text of the last `user` message (a string, or the `text` parts of
+//!   an array of parts joined with no separator); `after` is every message that follows it;
+//! - with a `MOCK:` directive in the user text, the step index is the number of `assistant`
+//!   messages in `after` (see [`Step`]);
+//! - without one, a tiny calculator agent answers (see [`default_reply`]).
+
+use std::collections::HashMap;
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Marker that starts a directive inside the user text; everything after its first occurrence
+/// is a JSON object `{"steps": [Step, ...]}` (trailing text after the object is ignored).
+const DIRECTIVE_MARKER: &str = "MOCK:";
+
+/// Text answered once a directive has run out of steps.
+const FINAL_TEXT: &str = "done";
+
+/// Name of the tool the default agent knows how to call.
+const CALCULATOR: &str = "calculator";
+
+/// What the mock answers to one request, before it is put on the wire.
+#[derive(Debug, Default)]
+pub struct Reply {
+    /// Sleep before the response headers are sent.
+    pub delay: Duration,
+    /// Sleep between two streamed chunks (SSE `data:` lines).
+    pub chunk_delay: Duration,
+    /// When set, answer with this HTTP error instead of a completion.
+    pub failure: Option<Failure>,
+    /// Sent as `reasoning_content` before the content; empty = none.
+    pub reasoning: String,
+    /// Assistant content; empty = none (`content: null` when there are tool calls).
+    pub text: String,
+    /// Tool calls of the assistant message, in order (several = parallel calls).
+    pub tool_calls: Vec<ToolCall>,
+    /// Deliberate wire damage.
+    pub malformed: Option<Malformed>,
+    /// Token counts overriding the computed ones.
+    pub usage: UsageOverride,
+}
+
+/// An HTTP error answer: `status` with an OpenAI-style error body.
+#[derive(Debug, Clone, Copy)]
+pub struct Failure {
+    /// HTTP status code, e.g. 429 or 503.
+    pub status: u16,
+    /// Value of the `Retry-After` header, in seconds.
+    pub retry_after_secs: Option<u64>,
+}
+
+/// One tool call of the assistant message.
+#[derive(Debug, Clone)]
+pub struct ToolCall {
+    /// `tool_calls[].id`.
+    pub id: String,
+    /// `tool_calls[].function.name`.
+    pub name: String,
+    /// `tool_calls[].function.arguments`: the exact text sent (may be invalid JSON on purpose).
+    pub arguments: String,
+}
+
+/// Deliberate damage to the response body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Malformed {
+    /// One `data: {not json` line in the middle of the stream, which then continues normally.
+    Chunk,
+    /// The stream stops after half the content, without `finish_reason` or `[DONE]`, and the
+    /// connection is dropped.
+    Truncate,
+}
+
+/// Token counts that replace the computed `usage` (each one independently).
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UsageOverride {
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.completion_tokens`.
+    pub completion_tokens: Option<u64>,
+}
+
+/// A request the mock cannot script: answered with HTTP 400 and this message.
+#[derive(Debug)]
+pub struct BadRequest(pub String);
+
+/// The body of a `MOCK:` directive.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Directive {
+    steps: Vec<Step>,
+}
+
+/// One scripted assistant turn. All fields are optional; unknown fields are rejected so that
+/// a typo in a test shows up as a 400 instead of a silently ignored instruction.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Step {
+    /// Assistant content; `{{tool_result}}` and `{{tool_results}}` are substituted.
+    text: Option<String>,
+    /// Tool calls of this turn, in order.
+    #[serde(default)]
+    tool_calls: Vec<ToolCallSpec>,
+    /// Reasoning text sent as `reasoning_content` before the content.
+    reasoning: Option<String>,
+    /// Sleep before the response headers, in ms.
+    #[serde(default)]
+    delay_ms: u64,
+    /// Sleep between chunks, in ms.
+    #[serde(default)]
+    chunk_delay_ms: u64,
+    /// Answer with this HTTP status and an OpenAI-style error body.
+    status: Option<u16>,
+    /// Only the first `failTimes` requests reaching this (user text, step) fail; absent = all.
+    fail_times: Option<u64>,
+    /// `Retry-After` header of the error answer, in seconds.
+    retry_after: Option<u64>,
+    /// Deliberate wire damage.
+    malformed: Option<Malformed>,
+    /// Token counts overriding the computed usage.
+    usage: Option<UsageOverride>,
+}
+
+/// A scripted tool call: `arguments` is any JSON value (sent as its JSON text) and
+/// `argumentsRaw` is the exact text to send; with neither the arguments are `{}`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ToolCallSpec {
+    name: String,
+    arguments: Option<Value>,
+    arguments_raw: Option<String>,
+    id: Option<String>,
+}
+
+/// How many requests already failed per (user text, step index), keyed by a hash of the pair.
+#[derive(Debug, Default)]
+pub struct FailureCounts(Mutex<HashMap<u64, u64>>);
+
+impl FailureCounts {
+    /// Records one more request reaching `(user_text, step)` and tells whether it must fail:
+    /// true for the first `fail_times` requests, always true when `fail_times` is `None`.
+    fn should_fail(&self, user_text: &str, step: usize, fail_times: Option<u64>) -> bool {
+        let Some(limit) = fail_times else {
+            return true;
+        };
+        let mut hasher = DefaultHasher::new();
+        (user_text, step).hash(&mut hasher);
+        let mut counts = self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let failed = counts.entry(hasher.finish()).or_insert(0);
+        if *failed < limit {
+            *failed += 1;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// The parts of a request the script looks at.
+struct Conversation<'a> {
+    /// Text of the last `user` message ("" when there is none).
+    user_text: String,
+    /// Messages after the last `user` message (all messages when there is none).
+    after: &'a [Value],
+    /// Every message of the request.
+    messages: &'a [Value],
+}
+
+impl<'a> Conversation<'a> {
+    fn new(messages: &'a [Value]) -> Self {
+        let last_user = messages.iter().rposition(|m| role(m) == "user");
+        match last_user {
+            Some(i) => Self {
+                user_text: content_text(&messages[i]),
+                after: &messages[i + 1..],
+                messages,
+            },
+            None => Self {
+                user_text: String::new(),
+                after: messages,
+                messages,
+            },
+        }
+    }
+
+    /// Number of `assistant` messages after the last user message = the step index.
+    fn step_index(&self) -> usize {
+        self.after.iter().filter(|m| role(m) == "assistant").count()
+    }
+
+    /// Content of the last `tool` message of the whole request ("" when there is none).
+    fn last_tool_result(&self) -> String {
+        self.messages
+            .iter()
+            .rev()
+            .find(|m| role(m) == "tool")
+            .map(content_text)
+            .unwrap_or_default()
+    }
+
+    /// Contents of the `tool` messages after the last user message, in order.
+    fn tool_results_after(&self) -> Vec<String> {
+        self.after
+            .iter()
+            .filter(|m| role(m) == "tool")
+            .map(content_text)
+            .collect()
+    }
+}
+
+/// Decides the reply to `request` (a parsed chat-completions body).
+///
+/// Errors: `messages` missing or not an array, or a `MOCK:` directive that is not a valid
+/// `{"steps": [...]}` object.
+pub fn plan(request: &Value, failures: &FailureCounts) -> Result<Reply, BadRequest> {
+    let messages = request
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| BadRequest("`messages` must be an array".to_owned()))?;
+    let conversation = Conversation::new(messages);
+    match conversation.user_text.find(DIRECTIVE_MARKER) {
+        Some(at) => {
+            let script = &conversation.user_text[at + DIRECTIVE_MARKER.len()..];
+            let directive = parse_directive(script)?;
+            Ok(scripted_reply(&conversation, directive, failures))
+        }
+        None => Ok(default_reply(&conversation, request)),
+    }
+}
+
+/// Parses the first JSON value after the marker, ignoring whatever text follows it.
+fn parse_directive(script: &str) -> Result<Directive, BadRequest> {
+    let mut values = serde_json::Deserializer::from_str(script).into_iter::<Directive>();
+    match values.next() {
+        Some(Ok(directive)) => Ok(directive),
+        Some(Err(err)) => Err(BadRequest(format!("invalid MOCK directive: {err}"))),
+        None => Err(BadRequest(
+            "invalid MOCK directive: expected {\"steps\":[...]}".to_owned(),
+        )),
+    }
+}
+
+/// Plays step `step_index` of a directive (or the final `"done"` once steps run out).
+fn scripted_reply(
+    conversation: &Conversation<'_>,
+    directive: Directive,
+    failures: &FailureCounts,
+) -> Reply {
+    let index = conversation.step_index();
+    let step = directive
+        .steps
+        .into_iter()
+        .nth(index)
+        .unwrap_or_else(|| Step {
+            text: Some(FINAL_TEXT.to_owned()),
+            ..Step::default()
+        });
+
+    let failure = step
+        .status
+        .filter(|_| failures.should_fail(&conversation.user_text, index, step.fail_times))
+        .map(|status| Failure {
+            status,
+            retry_after_secs: step.retry_after,
+        });
+    let text = step
+        .text
+        .map(|text| {
+            text.replace(
+                "{{tool_results}}",
+                &conversation.tool_results_after().join(", "),
+            )
+            .replace("{{tool_result}}", &conversation.last_tool_result())
+        })
+        .unwrap_or_default();
+    let tool_calls = step
+        .tool_calls
+        .into_iter()
+        .enumerate()
+        .map(|(i, spec)| ToolCall {
+            id: spec.id.unwrap_or_else(|| default_call_id(index, i)),
+            name: spec.name,
+            arguments: match (spec.arguments_raw, spec.arguments) {
+                (Some(raw), _) => raw,
+                (None, Some(value)) => value.to_string(),
+                (None, None) => "{}".to_owned(),
+            },
+        })
+        .collect();
+
+    Reply {
+        delay: Duration::from_millis(step.delay_ms),
+        chunk_delay: Duration::from_millis(step.chunk_delay_ms),
+        failure,
+        reasoning: step.reasoning.unwrap_or_default(),
+        text,
+        tool_calls,
+        malformed: step.malformed,
+        usage: step.usage.unwrap_or_default(),
+    }
+}
+
+/// The default "agent", for requests without a directive:
+///
+/// 1. no `tool` message after the user message, a `calculator` tool offered, and an arithmetic
+///    expression in the user text: one `calculator` call with `{"expression": "<expr>"}`;
+/// 2. a `tool` message after the user message: `The result is <last tool content>.`;
+/// 3. otherwise: `You said: <user text>`.
+fn default_reply(conversation: &Conversation<'_>, request: &Value) -> Reply {
+    let has_tool_result = conversation.after.iter().any(|m| role(m) == "tool");
+    if !has_tool_result
+        && offers_tool(request, CALCULATOR)
+        && let Some(expression) = find_expression(&conversation.user_text)
+    {
+        let arguments = serde_json::json!({ "expression": expression }).to_string();
+        return Reply {
+            tool_calls: vec![ToolCall {
+                id: default_call_id(conversation.step_index(), 0),
+                name: CALCULATOR.to_owned(),
+                arguments,
+            }],
+            ..Reply::default()
+        };
+    }
+    let text = if has_tool_result {
+        format!("The result is {}.", conversation.last_tool_result())
+    } else {
+        format!("You said: {}", conversation.user_text)
+    };
+    Reply {
+        text,
+        ..Reply::default()
+    }
+}
+
+/// `call_<step>_<i>_<8 random hex digits>`.
+fn default_call_id(step: usize, i: usize) -> String {
+    let random = uuid::Uuid::new_v4().simple().to_string();
+    format!("call_{step}_{i}_{}", &random[..8])
+}
+
+/// Whether `tools` (OpenAI shape `{"type":"function","function":{"name":...}}`, or a bare
+/// `{"name":...}`) contains a tool called `name`.
+fn offers_tool(request: &Value, name: &str) -> bool {
+    request
+        .get("tools")
+        .and_then(Value::as_array)
+        .is_some_and(|tools| {
+            tools.iter().any(|tool| {
+                let function = tool.get("function").unwrap_or(tool);
+                function.get("name").and_then(Value::as_str) == Some(name)
+            })
+        })
+}
+
+/// The first maximal run of digits, spaces, `.`, `+ - * / ^ ( )` that holds at least one digit
+/// and one operator (`+ - * / ^`), trimmed.
+fn find_expression(text: &str) -> Option<&str> {
+    let is_expression_char = |c: char| c.is_ascii_digit() || " .+-*/^()".contains(c);
+    let is_operator = |c: char| "+-*/^".contains(c);
+    text.split(|c: char| !is_expression_char(c))
+        .map(str::trim)
+        .find(|run| run.contains(|c: char| c.is_ascii_digit()) && run.contains(is_operator))
+}
+
+/// `role` of a message ("" when absent).
+fn role(message: &Value) -> &str {
+    message.get("role").and_then(Value::as_str).unwrap_or("")
+}
+
+/// Text of a message's `content`: a string as is, an array of parts as its `text` parts joined
+/// with no separator, anything else as "".
+pub fn content_text(message: &Value) -> String {
+    match message.get("content") {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|part| part.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn finds_the_first_arithmetic_expression() {
+        assert_eq!(find_expression("what is 12*7"), Some("12*7"));
+        assert_eq!(find_expression("what is (1 + 2) ^ 3?"), Some("(1 + 2) ^ 3"));
+        assert_eq!(find_expression("I have 3 cats and 2 dogs"), None);
+        assert_eq!(find_expression("from 3 - 2"), Some("3 - 2"));
+        assert_eq!(find_expression("no numbers + here"), None);
+    }
+
+    #[test]
+    fn step_index_counts_assistant_messages_after_the_last_user_message() {
+        let messages = [
+            json!({"role": "user", "content": "old"}),
+            json!({"role": "assistant", "content": "x"}),
+            json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}),
+            json!({"role": "assistant", "content": null}),
+            json!({"role": "tool", "content": "84"}),
+        ];
+        let conversation = Conversation::new(&messages);
+        assert_eq!(conversation.user_text, "ab");
+        assert_eq!(conversation.step_index(), 1);
+        assert_eq!(conversation.last_tool_result(), "84");
+    }
+
+    #[test]
+    fn fail_times_fails_only_the_first_requests() {
+        let failures = FailureCounts::default();
+        assert!(failures.should_fail("t", 0, Some(1)));
+        assert!(!failures.should_fail("t", 0, Some(1)));
+        assert!(failures.should_fail("t", 1, Some(1)));
+        assert!(failures.should_fail("t", 0, None));
+    }
+}

@@ -1,0 +1,140 @@
+//! The claim loop (SPEC §5): concurrency, wake-ups, recovery timer, shutdown.
+//!
+//! Idle, the loop blocks on the LISTEN connection, on a timer for the earliest lease expiry of
+//! another worker's run, and on a slow safety poll; it issues no other queue query. A claim pass
+//! runs when a `queued:` notification arrives, when a slot frees, when the listener resyncs, or
+//! when a timer fires; it claims at most the number of free slots in one statement.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agentloop_shared::db::{self, PgPool};
+use agentloop_shared::events::RUNS_CHANNEL;
+use agentloop_shared::provider::client::ProviderClient;
+use agentloop_shared::scheduler::listener::{self, ListenerEvent};
+use agentloop_shared::scheduler::{self as sched, claim::next_lease_expiry_ms};
+use agentloop_shared::tools::{BuiltinToolConfig, ToolRegistry};
+use anyhow::Context;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::WorkerConfig;
+use crate::slice::{self, AbortReason, SliceControl, SliceEnv};
+
+/// Runs the worker until `shutdown` fires, then hands in-flight runs back within the grace
+/// period.
+pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    config.validate()?;
+    let worker_id = crate::worker_identity(config.worker_id.as_deref());
+    if config.db.migrate_on_start {
+        db::run_migrations(&config.db.database_url).await.context("migrating")?;
+    }
+    let pool = db::build_pool(
+        &config.db.database_url,
+        config.db.db_pool_size.max(config.concurrency as usize * 2 + 2),
+        &format!("agentloop-worker {worker_id}"),
+        Duration::from_secs(30),
+    )?;
+    let catalog = Arc::new(config.models.catalog().context("loading the model catalog")?);
+    let tools = Arc::new(ToolRegistry::builtin(&BuiltinToolConfig {
+        max_sleep_seconds: config.max_sleep_seconds,
+        ..BuiltinToolConfig::default()
+    }));
+    let env = Arc::new(SliceEnv {
+        pool: pool.clone(),
+        provider: ProviderClient::new(),
+        catalog,
+        tools,
+        lease: config.lease,
+        renew: config.renew,
+        tool_call_limit: config.tool_call_limit,
+        max_recoveries: config.max_recoveries,
+        stream_throttle: config.stream_throttle,
+    });
+    tracing::info!(worker.id = %worker_id, concurrency = config.concurrency, "worker started");
+
+    let listener_stop = CancellationToken::new();
+    let mut notifications =
+        listener::spawn(config.db.database_url.clone(), vec![RUNS_CHANNEL], Duration::from_secs(5), listener_stop.clone());
+    let in_flight: Arc<Mutex<HashMap<Uuid, SliceControl>>> = Arc::default();
+    let mut slices = JoinSet::new();
+    let slots = config.concurrency as usize;
+    let mut pass_wanted = true;
+    let mut next_timer = config.safety_poll;
+
+    while !shutdown.is_cancelled() {
+        if pass_wanted && slices.len() < slots {
+            let free = slots - slices.len();
+            match claim_pass(&pool, &worker_id, free, config.lease).await {
+                Ok((claimed, expiry)) => {
+                    pass_wanted = claimed.len() == free;
+                    next_timer = expiry.map_or(config.safety_poll, |ms| {
+                        Duration::from_millis(ms.max(0) as u64 + 50).min(config.safety_poll)
+                    });
+                    for run in claimed {
+                        tracing::info!(run.id = %run.id, run.attempt = run.attempts, "claimed");
+                        let control = SliceControl::default();
+                        in_flight.lock().expect("in-flight lock").insert(run.id, control.clone());
+                        let (env, in_flight) = (env.clone(), in_flight.clone());
+                        slices.spawn(async move {
+                            let id = run.id;
+                            slice::execute(env, run, control).await;
+                            in_flight.lock().expect("in-flight lock").remove(&id);
+                        });
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "claim pass failed; retrying");
+                    next_timer = Duration::from_secs(1);
+                }
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            event = notifications.recv() => match event {
+                Some(ListenerEvent::Notification { payload, .. }) => match payload.split_once(':') {
+                    Some(("cancel", id)) => {
+                        if let Some(control) = Uuid::parse_str(id).ok().and_then(|id| in_flight.lock().expect("in-flight lock").get(&id).cloned()) {
+                            control.abort(AbortReason::Cancel);
+                        }
+                    }
+                    _ => pass_wanted = true,
+                },
+                Some(ListenerEvent::Resync) => pass_wanted = true,
+                None => anyhow::bail!("listener task ended"),
+            },
+            Some(_) = slices.join_next(), if !slices.is_empty() => pass_wanted = true,
+            _ = tokio::time::sleep(next_timer) => pass_wanted = true,
+        }
+    }
+
+    tracing::info!(in_flight = slices.len(), "shutting down: handing runs back");
+    for control in in_flight.lock().expect("in-flight lock").values() {
+        control.abort(AbortReason::Shutdown);
+    }
+    let drained = tokio::time::timeout(config.shutdown_grace, async {
+        while slices.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("grace period elapsed with slices still running; their leases will expire");
+    }
+    listener_stop.cancel();
+    Ok(())
+}
+
+/// One claim pass: claims up to `free` runs, then reads the earliest lease expiry of runs this
+/// worker does not hold (the recovery timer).
+async fn claim_pass(
+    pool: &PgPool,
+    worker_id: &str,
+    free: usize,
+    lease: Duration,
+) -> anyhow::Result<(Vec<agentloop_shared::runs::Run>, Option<i64>)> {
+    let mut conn = pool.get().await?;
+    let claimed = sched::claim(&mut conn, worker_id, free as i64, lease).await?;
+    let expiry = next_lease_expiry_ms(&mut conn, worker_id).await?;
+    Ok((claimed, expiry))
+}

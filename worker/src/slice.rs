@@ -1,0 +1,458 @@
+//! One slice of a run (SPEC §6): step row, context, streamed model call, tools, checkpoint,
+//! and the run transition at its end — every write fenced by the lease (SPEC §5 "Fencing").
+//!
+//! A slice is aborted at once (dropping the in-flight model request) when its [`SliceControl`]
+//! fires: on cancellation (the run ends `cancelled`), shutdown (the run goes back to `queued`),
+//! or lease loss (nothing more is written: the run belongs to someone else now).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use agentloop_shared::context::{self, ContextMessage};
+use agentloop_shared::db::PgPool;
+use agentloop_shared::messages::{self, NewMessage, Provenance, role};
+use agentloop_shared::provider::catalog::{ModelCatalog, ModelConfig};
+use agentloop_shared::provider::client::{ChatRequest, ProviderClient, StreamDelta};
+use agentloop_shared::runs::Run;
+use agentloop_shared::scheduler::lease::{self, FencedError, SliceEnd, SliceUsage};
+use agentloop_shared::scheduler::{Lease, LeaseLost};
+use agentloop_shared::tools::{ToolContext, ToolRegistry};
+use agentloop_shared::{events, threads};
+use diesel_async::AsyncConnection;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// Everything a slice needs, shared by all slices of a worker process.
+pub struct SliceEnv {
+    pub pool: PgPool,
+    pub provider: ProviderClient,
+    pub catalog: Arc<ModelCatalog>,
+    pub tools: Arc<ToolRegistry>,
+    /// Lease duration.
+    pub lease: Duration,
+    /// Renewal interval (< lease / 2).
+    pub renew: Duration,
+    /// Tool calls per slice before the run is requeued.
+    pub tool_call_limit: u32,
+    /// Recoveries after which a run fails `abandoned`.
+    pub max_recoveries: i32,
+    /// Minimum interval between streaming-column writes.
+    pub stream_throttle: Duration,
+}
+
+/// Why a slice was aborted (first reason wins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortReason {
+    /// Cancellation requested: end the run `cancelled`.
+    Cancel,
+    /// Worker shutdown: hand the run back (`queued`).
+    Shutdown,
+    /// The lease is gone (or could not be renewed in time): write nothing more.
+    LeaseLost,
+}
+
+/// Handle to abort a running slice.
+#[derive(Clone, Default)]
+pub struct SliceControl {
+    token: CancellationToken,
+    reason: Arc<Mutex<Option<AbortReason>>>,
+}
+
+impl SliceControl {
+    /// Aborts the slice for `reason` (ignored if it was already aborted for another reason).
+    pub fn abort(&self, reason: AbortReason) {
+        let mut current = self.reason.lock().expect("abort reason lock");
+        if current.is_none() {
+            *current = Some(reason);
+        }
+        self.token.cancel();
+    }
+
+    fn reason(&self) -> Option<AbortReason> {
+        *self.reason.lock().expect("abort reason lock")
+    }
+}
+
+/// Errors that end a slice.
+#[derive(Debug, thiserror::Error)]
+enum SliceError {
+    #[error("aborted")]
+    Aborted,
+    #[error("lease lost")]
+    LeaseLost,
+    #[error("{code}: {message}")]
+    Failed { code: String, message: String },
+    #[error("database: {0}")]
+    Db(String),
+}
+
+impl From<FencedError> for SliceError {
+    fn from(e: FencedError) -> Self {
+        match e {
+            FencedError::LeaseLost(_) => SliceError::LeaseLost,
+            FencedError::Query(q) => SliceError::Db(q.to_string()),
+        }
+    }
+}
+
+impl From<diesel::result::Error> for SliceError {
+    fn from(e: diesel::result::Error) -> Self {
+        SliceError::Db(e.to_string())
+    }
+}
+
+impl From<diesel_async::pooled_connection::deadpool::PoolError> for SliceError {
+    fn from(e: diesel_async::pooled_connection::deadpool::PoolError) -> Self {
+        SliceError::Db(e.to_string())
+    }
+}
+
+fn failed(code: &str, message: impl Into<String>) -> SliceError {
+    SliceError::Failed { code: code.into(), message: message.into() }
+}
+
+/// Runs `$body` in one transaction that first takes `$lease`'s fence (SPEC §5 "Fencing");
+/// evaluates to `Result<T, SliceError>`.
+macro_rules! fenced {
+    ($pool:expr, $lease:expr, |$conn:ident| $body:block) => {{
+        async {
+            let mut pooled = $pool.get().await?;
+            (*pooled)
+                .transaction(async |$conn: &mut diesel_async::AsyncPgConnection| -> Result<_, FencedError> {
+                    $lease.fence($conn).await?;
+                    $body
+                })
+                .await
+                .map_err(SliceError::from)
+        }
+        .await
+    }};
+}
+
+/// Mutable evidence of the slice, written at its end whatever way it ends.
+#[derive(Default)]
+struct SliceState {
+    step_id: Option<i64>,
+    usage: SliceUsage,
+}
+
+/// Executes one slice of the claimed `run` until it ends or `control` aborts it.
+pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl) {
+    let lease = Lease::of(&run);
+    let span = tracing::info_span!("slice", run.id = %run.id, thread.id = %run.thread_id, run.attempt = run.attempts, lease.epoch = run.lease_epoch);
+    async {
+        let started = Instant::now();
+        let keeper = tokio::spawn(keep_lease(env.clone(), lease.clone(), control.clone()));
+        let mut state = SliceState::default();
+        let outcome = tokio::select! {
+            result = body(&env, &run, &lease, &control, &mut state) => result,
+            _ = control.token.cancelled() => Err(SliceError::Aborted),
+        };
+        keeper.abort();
+        let end = match outcome {
+            Ok(()) => None,
+            Err(SliceError::Aborted) => match control.reason() {
+                Some(AbortReason::Cancel) => Some(SliceEnd::Cancelled),
+                Some(AbortReason::Shutdown) => Some(SliceEnd::Interrupted),
+                Some(AbortReason::LeaseLost) | None => None,
+            },
+            Err(SliceError::LeaseLost) => {
+                tracing::warn!("lease lost; slice stops without writing");
+                None
+            }
+            Err(SliceError::Failed { code, message }) => {
+                tracing::warn!(error.code = %code, "run failed");
+                Some(SliceEnd::Failed { code, message })
+            }
+            Err(SliceError::Db(error)) => {
+                tracing::error!(%error, "database error in slice; handing the run back");
+                Some(SliceEnd::Interrupted)
+            }
+        };
+        if let Some(end) = end {
+            if let Err(error) = write_end(&env.pool, &lease, &state, &end).await {
+                tracing::warn!(%error, "could not record the slice end; the lease will expire and the run be recovered");
+            }
+        }
+        tracing::info!(duration_ms = started.elapsed().as_millis() as u64, "slice ended");
+    }
+    .instrument(span)
+    .await
+}
+
+async fn write_end(pool: &PgPool, lease: &Lease, state: &SliceState, end: &SliceEnd) -> Result<(), SliceError> {
+    fenced!(pool, lease, |conn| {
+        lease::end_slice(conn, lease, state.step_id, state.usage, end).await?;
+        Ok(())
+    })
+}
+
+async fn body(
+    env: &SliceEnv,
+    run: &Run,
+    lease: &Lease,
+    control: &SliceControl,
+    state: &mut SliceState,
+) -> Result<(), SliceError> {
+    if run.recoveries > env.max_recoveries {
+        return Err(failed(
+            "abandoned",
+            format!("the run was recovered {} times after its worker stopped renewing the lease", run.recoveries - 1),
+        ));
+    }
+    if run.cancel_requested_at.is_some() {
+        control.abort(AbortReason::Cancel);
+        return Err(SliceError::Aborted);
+    }
+    if run.steps_used >= run.max_steps {
+        return Err(failed("budget_exhausted", format!("the run used all {} of its steps (maxSteps)", run.max_steps)));
+    }
+    let model = env
+        .catalog
+        .get(&run.model)
+        .ok_or_else(|| failed("model_not_configured", format!("model '{}' is not configured", run.model)))?;
+
+    let mut conn = env.pool.get().await?;
+    let step_sequence = run.steps_used + 1;
+    let step = (*conn)
+        .transaction(async |conn| lease.begin_step(conn, step_sequence, run.attempts, &model.id).await)
+        .await?;
+    state.step_id = Some(step.id);
+    tracing::info!(step.sequence = step.sequence, model.name = %model.id, "slice started");
+    let history = messages::active_after(&mut conn, run.thread_id, 0).await?;
+    drop(conn); // never hold a pooled connection across a model or tool call
+    let mut context: Vec<ContextMessage> = history.iter().map(ContextMessage::from).collect();
+    let tool_specs = if model.supports_tools { env.tools.specs() } else { Vec::new() };
+    let provenance = Provenance { run_id: Some(run.id), step_id: Some(step.id) };
+    let mut slice_tool_calls: u32 = 0;
+
+    loop {
+        let tokens = context::estimate_tokens(&context, &tool_specs);
+        let limit = model.context_tokens.map(|t| t as i32);
+        fenced!(env.pool, lease, |conn| {
+            lease::record_context(conn, lease, tokens as i32, limit).await?;
+            Ok(())
+        })?;
+
+        let request = ChatRequest {
+            messages: context::project(&context),
+            tools: tool_specs.clone(),
+            tool_choice: None,
+            max_tokens: None,
+            temperature: None,
+        };
+        let turn = call_model(env, model, &request, lease, control).await?;
+        state.usage.model_calls += 1;
+        if let Some(usage) = &turn.usage {
+            state.usage.prompt_tokens += usage.prompt_tokens as i64;
+            state.usage.completion_tokens += usage.completion_tokens as i64;
+        }
+
+        let mut produced = Vec::with_capacity(1 + turn.tool_calls.len());
+        let mut assistant = NewMessage::text(role::ASSISTANT, turn.content.clone());
+        assistant.reasoning = turn.reasoning.clone().filter(|r| !r.is_empty());
+        if !turn.tool_calls.is_empty() {
+            let calls: Vec<_> = turn
+                .tool_calls
+                .iter()
+                .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+                .collect();
+            let calls = serde_json::Value::Array(calls);
+            assistant.token_estimate += agentloop_shared::tokens::estimate_text(&calls.to_string()) as i32;
+            assistant.tool_calls = Some(calls);
+        }
+        produced.push(assistant);
+
+        let end = if turn.tool_calls.is_empty() {
+            Some(SliceEnd::Completed)
+        } else {
+            for call in &turn.tool_calls {
+                let ctx = ToolContext {
+                    idempotency_key: format!("run:{}:call:{}", run.id, call.id),
+                    cancel: control.token.child_token(),
+                };
+                let started = Instant::now();
+                let outcome = env.tools.execute(&call.name, &call.arguments, ctx).await;
+                tracing::info!(tool.name = %call.name, tool.error = outcome.is_error, duration_ms = started.elapsed().as_millis() as u64, "tool call");
+                let mut result = NewMessage::text(role::TOOL, outcome.content);
+                result.tool_call_id = Some(call.id.clone());
+                produced.push(result);
+            }
+            let n = turn.tool_calls.len() as u32;
+            slice_tool_calls += n;
+            state.usage.tool_calls += n as i32;
+            (slice_tool_calls >= env.tool_call_limit).then_some(SliceEnd::Requeued)
+        };
+
+        let identities = vec![None; produced.len()];
+        let (usage, step_id) = (state.usage, state.step_id);
+        let inserted = fenced!(env.pool, lease, |conn| {
+            let inserted = messages::append(conn, lease.thread_id, provenance, &produced, &identities).await?;
+            threads::set_streaming(conn, lease.thread_id, None).await?;
+            if let Some(end) = &end {
+                lease::end_slice(conn, lease, step_id, usage, end).await?;
+            }
+            Ok(inserted)
+        })?;
+        let mut identities = identities;
+        for (i, row) in &inserted {
+            identities[*i] = Some(row.timestamp_ms);
+        }
+        context.extend(produced.into_iter().zip(identities).map(|(message, identity)| ContextMessage { identity, message }));
+        if let Some(end) = end {
+            tracing::info!(end = ?end, tool_calls = slice_tool_calls, "slice checkpointed its end");
+            return Ok(());
+        }
+    }
+}
+
+/// Partial answer shared between the provider callback and the streaming writer.
+#[derive(Default)]
+struct Partial {
+    content: String,
+    reasoning: String,
+    version: u64,
+}
+
+/// Calls the model with streaming; the partial answer goes to `threads.streaming_message`
+/// (throttled, fenced) and never to history.
+async fn call_model(
+    env: &SliceEnv,
+    model: &ModelConfig,
+    request: &ChatRequest,
+    lease: &Lease,
+    control: &SliceControl,
+) -> Result<agentloop_shared::provider::client::AssistantTurn, SliceError> {
+    let partial = Arc::new(Mutex::new(Partial::default()));
+    let stop = CancellationToken::new();
+    let writer = tokio::spawn(stream_writer(
+        env.pool.clone(),
+        lease.clone(),
+        partial.clone(),
+        env.stream_throttle,
+        stop.clone(),
+        control.clone(),
+    ));
+    let sink = partial.clone();
+    let mut on_delta = move |delta: StreamDelta| {
+        let mut p = sink.lock().expect("partial lock");
+        match delta {
+            StreamDelta::Text(t) => p.content.push_str(&t),
+            StreamDelta::Reasoning(r) => p.reasoning.push_str(&r),
+        }
+        p.version += 1;
+    };
+    let started = Instant::now();
+    let result = env.provider.stream_chat(model, request, &mut on_delta).await;
+    stop.cancel();
+    let _ = writer.await;
+    match result {
+        Ok(turn) => {
+            tracing::info!(
+                model.name = %model.id,
+                duration_ms = started.elapsed().as_millis() as u64,
+                tool_calls = turn.tool_calls.len(),
+                malformed_chunks = turn.malformed_chunks,
+                "model call"
+            );
+            Ok(turn)
+        }
+        Err(e) => Err(failed(e.code(), e.to_string())),
+    }
+}
+
+/// Writes the partial answer at most every `throttle` while the model streams.
+async fn stream_writer(
+    pool: PgPool,
+    lease: Lease,
+    partial: Arc<Mutex<Partial>>,
+    throttle: Duration,
+    stop: CancellationToken,
+    control: SliceControl,
+) {
+    let mut written_version = 0;
+    let mut written_units = 0usize; // UTF-16 code units already sent (what browsers count)
+    let mut written_bytes = 0usize;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(throttle) => {}
+        }
+        let (content, reasoning, version) = {
+            let p = partial.lock().expect("partial lock");
+            (p.content.clone(), p.reasoning.clone(), p.version)
+        };
+        if version == written_version {
+            continue;
+        }
+        let delta = &content[written_bytes..];
+        let streaming = json!({"runId": lease.run_id, "content": content, "reasoning": reasoning});
+        let event = json!({"runId": lease.run_id, "offset": written_units, "delta": delta});
+        let thread_id = lease.thread_id;
+        let result = fenced!(pool, lease, |conn| {
+            threads::set_streaming(conn, thread_id, Some(&streaming)).await?;
+            events::append(conn, thread_id, events::kind::STREAMING, &event).await?;
+            Ok(())
+        });
+        match result {
+            Ok(()) => {
+                written_version = version;
+                written_units += delta.encode_utf16().count();
+                written_bytes = content.len();
+            }
+            Err(SliceError::LeaseLost) => {
+                control.abort(AbortReason::LeaseLost);
+                return;
+            }
+            Err(error) => tracing::warn!(%error, "streaming write failed; will retry"),
+        }
+    }
+}
+
+/// Renews the lease every `renew`; aborts the slice when the lease is lost, when cancellation
+/// is requested, or (watchdog) when no renewal succeeded for `lease - renew`, so a worker cut off
+/// from the database stops before another worker may claim the run.
+async fn keep_lease(env: Arc<SliceEnv>, lease: Lease, control: SliceControl) {
+    let mut last_ok = Instant::now();
+    let watchdog = env.lease.saturating_sub(env.renew);
+    loop {
+        tokio::select! {
+            _ = control.token.cancelled() => return,
+            _ = tokio::time::sleep(env.renew) => {}
+        }
+        if last_ok.elapsed() >= env.lease {
+            // The process was stalled (e.g. SIGSTOP) past its lease: it may already be claimed.
+            control.abort(AbortReason::LeaseLost);
+            return;
+        }
+        let attempt = async {
+            let mut conn = env.pool.get().await.map_err(|e| e.to_string())?;
+            Ok::<_, String>(lease.renew(&mut conn, env.lease).await)
+        };
+        match tokio::time::timeout(env.renew, attempt).await {
+            Ok(Ok(Ok(fence))) => {
+                last_ok = Instant::now();
+                if fence.cancel_requested {
+                    control.abort(AbortReason::Cancel);
+                }
+            }
+            Ok(Ok(Err(FencedError::LeaseLost(LeaseLost)))) => {
+                control.abort(AbortReason::LeaseLost);
+                return;
+            }
+            failure => {
+                let error = match failure {
+                    Ok(Ok(Err(FencedError::Query(q)))) => q.to_string(),
+                    Ok(Err(pool)) => pool,
+                    _ => "timed out".to_owned(),
+                };
+                tracing::warn!(%error, "lease renewal failed");
+                if last_ok.elapsed() >= watchdog {
+                    control.abort(AbortReason::LeaseLost);
+                    return;
+                }
+            }
+        }
+    }
+}
