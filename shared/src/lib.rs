@@ -4,12 +4,15 @@
 
 pub mod auth;
 pub mod config;
+pub mod context;
 pub mod db;
 pub mod events;
 pub mod messages;
 pub mod provider;
+pub mod receipts;
 pub mod runs;
 pub mod scheduler;
 pub mod telemetry;
 pub mod threads;
 pub mod tokens;
+pub mod tools;

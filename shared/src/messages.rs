@@ -250,3 +250,31 @@ pub async fn head_and_tail(
     last.reverse();
     Ok((first, last))
 }
+
+/// Preview of a thread for lists: `{role, text, sequence}` of its last active message, text cut
+/// to `max_chars` characters; `None` for an empty thread. One index probe; the body is cut in
+/// the database so large messages are never transferred.
+pub async fn preview(conn: &mut AsyncPgConnection, thread_id: Uuid, max_chars: i32) -> QueryResult<Option<serde_json::Value>> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        role: String,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        text: String,
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        sequence: i64,
+    }
+    let row: Option<Row> = diesel::sql_query(
+        "SELECT role, sequence,
+                left(CASE jsonb_typeof(content) WHEN 'string' THEN content #>> '{}'
+                     ELSE coalesce((SELECT string_agg(p ->> 'text', ' ') FROM jsonb_array_elements(
+                          CASE jsonb_typeof(content) WHEN 'array' THEN content ELSE '[]'::jsonb END) p), '') END, $2) AS text
+         FROM messages WHERE thread_id = $1 AND active ORDER BY sequence DESC LIMIT 1",
+    )
+    .bind::<diesel::sql_types::Uuid, _>(thread_id)
+    .bind::<diesel::sql_types::Integer, _>(max_chars)
+    .get_result(conn)
+    .await
+    .optional()?;
+    Ok(row.map(|r| serde_json::json!({"role": r.role, "text": r.text, "sequence": r.sequence})))
+}

@@ -235,3 +235,49 @@ pub async fn promote_next_pending(conn: &mut AsyncPgConnection, thread_id: Uuid)
     events::notify_runs(conn, "queued", run.id).await?;
     Ok(Some(run))
 }
+
+/// Requests cancellation of run `id` (SPEC §5 "Cancellation"); idempotent. In the caller's
+/// transaction it locks the run and:
+/// - `pending`/`queued`/`waiting_approval`/`blocked` (no worker holds it): `cancelled` at once,
+///   and the thread's next pending run is promoted when this one was active;
+/// - `running`: sets `cancel_requested_at` (kept if already set) and notifies
+///   `cancel:<id>`, so the owning worker aborts at once and writes `cancelled` itself;
+/// - terminal: nothing.
+///
+/// Returns the run as it is after the call.
+pub async fn request_cancel(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResult<Run> {
+    let run: Run = runs::table.find(id).select(Run::as_select()).for_update().first(conn).await?;
+    match run.status.as_str() {
+        status::PENDING | status::QUEUED | status::WAITING_APPROVAL | status::BLOCKED => {
+            let was_active = run.status != status::PENDING;
+            let run: Run = diesel::update(runs::table.find(id))
+                .set((
+                    runs::status.eq(status::CANCELLED),
+                    runs::cancel_requested_at.eq(diesel::dsl::now),
+                    runs::finished_at.eq(diesel::dsl::now),
+                    runs::lease_owner.eq(None::<String>),
+                    runs::lease_expires_at.eq(None::<DateTime<Utc>>),
+                    runs::updated_at.eq(diesel::dsl::now),
+                ))
+                .returning(Run::as_returning())
+                .get_result(conn)
+                .await?;
+            journal(conn, &run).await?;
+            if was_active {
+                promote_next_pending(conn, run.thread_id).await?;
+            }
+            Ok(run)
+        }
+        status::RUNNING if run.cancel_requested_at.is_none() => {
+            let run: Run = diesel::update(runs::table.find(id))
+                .set((runs::cancel_requested_at.eq(diesel::dsl::now), runs::updated_at.eq(diesel::dsl::now)))
+                .returning(Run::as_returning())
+                .get_result(conn)
+                .await?;
+            journal(conn, &run).await?;
+            events::notify_runs(conn, "cancel", run.id).await?;
+            Ok(run)
+        }
+        _ => Ok(run),
+    }
+}

@@ -1,0 +1,1 @@
+pub mod post_chat;

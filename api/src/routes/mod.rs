@@ -1,0 +1,36 @@
+//! The route table (SPEC §13). One handler per file under `routes/<resource>/`.
+
+pub mod chat;
+pub mod health;
+pub mod models;
+pub mod runs;
+pub mod threads;
+pub mod ui;
+pub mod updates;
+
+use actix_web::web;
+
+/// Registers every route.
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route("/healthz", web::get().to(health::healthz))
+        .route("/readyz", web::get().to(health::readyz))
+        .route("/", web::get().to(ui::index))
+        .service(
+            web::scope("/api")
+                .route("/models", web::get().to(models::list_models::list_models))
+                .route("/threads", web::post().to(threads::create_thread::create_thread))
+                .route("/threads", web::get().to(threads::list_threads::list_threads))
+                .route("/threads/{id}", web::get().to(threads::get_thread::get_thread))
+                .route("/threads/{id}/chat", web::post().to(chat::post_chat::post_chat))
+                .route("/threads/{id}/cancel", web::post().to(threads::cancel_thread::cancel_thread))
+                .route("/threads/{id}/updates/stream", web::get().to(updates::stream_updates::stream_updates))
+                .route("/threads/{id}/updates", web::get().to(updates::poll_updates::poll_updates))
+                .route("/runs/{id}", web::get().to(runs::get_run::get_run))
+                .route("/runs/{id}/cancel", web::post().to(runs::cancel_run::cancel_run))
+                .default_service(web::to(not_found)),
+        );
+}
+
+async fn not_found() -> Result<actix_web::HttpResponse, crate::error::ApiError> {
+    Err(crate::error::ApiError::NotFound)
+}

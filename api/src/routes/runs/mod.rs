@@ -1,0 +1,2 @@
+pub mod cancel_run;
+pub mod get_run;

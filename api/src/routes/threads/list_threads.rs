@@ -1,0 +1,61 @@
+//! `GET /api/threads?limit=&cursor=`.
+
+use actix_web::{HttpResponse, web};
+use agentloop_shared::{messages, runs, threads};
+use chrono::{DateTime, Utc};
+use serde::Deserialize;
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::AppState;
+use crate::error::ApiError;
+use crate::extract::Authenticated;
+use crate::views;
+
+/// Query: `limit` 1..100 (default 50); `cursor` from the previous page's `nextCursor`.
+#[derive(Debug, Deserialize)]
+pub struct ListQuery {
+    pub limit: Option<i64>,
+    pub cursor: Option<String>,
+}
+
+fn parse_cursor(cursor: &str) -> Option<(DateTime<Utc>, Uuid)> {
+    let (at, id) = cursor.split_once('_')?;
+    let micros: i64 = at.parse().ok()?;
+    Some((DateTime::from_timestamp_micros(micros)?, Uuid::parse_str(id).ok()?))
+}
+
+/// Thread summaries, most recently updated first: id, title, model, authoritative
+/// `messageCount`, a one-message `preview` (≤ 200 characters), active `run`, `updatedAt`, `sig`.
+pub async fn list_threads(
+    state: web::Data<AppState>,
+    who: Authenticated,
+    query: web::Query<ListQuery>,
+) -> Result<HttpResponse, ApiError> {
+    let limit = query.limit.unwrap_or(50).clamp(1, 100);
+    let before = match query.cursor.as_deref() {
+        Some(c) => Some(parse_cursor(c).ok_or_else(|| ApiError::bad_request("invalid_cursor", "cursor is malformed"))?),
+        None => None,
+    };
+    let mut conn = state.pool.get().await?;
+    let page = threads::list(&mut conn, who.0.id, limit, before).await?;
+    let mut items = Vec::with_capacity(page.len());
+    for thread in &page {
+        let preview = messages::preview(&mut conn, thread.id, 200).await?;
+        let run = runs::active_for_thread(&mut conn, thread.id).await?;
+        items.push(json!({
+            "id": thread.id,
+            "title": thread.title,
+            "model": thread.model,
+            "messageCount": thread.message_count,
+            "preview": preview,
+            "run": views::run_json(run.as_ref()),
+            "updatedAt": thread.updated_at,
+            "sig": views::sig(thread, run.as_ref()),
+        }));
+    }
+    let next = (page.len() as i64 == limit)
+        .then(|| page.last().map(|t| format!("{}_{}", t.updated_at.timestamp_micros(), t.id)))
+        .flatten();
+    Ok(HttpResponse::Ok().json(json!({"threads": items, "nextCursor": next})))
+}

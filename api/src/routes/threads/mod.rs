@@ -1,0 +1,4 @@
+pub mod cancel_thread;
+pub mod create_thread;
+pub mod get_thread;
+pub mod list_threads;

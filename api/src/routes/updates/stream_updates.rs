@@ -1,0 +1,131 @@
+//! `GET /api/threads/{id}/updates/stream` — SSE.
+
+use std::time::Duration;
+
+use actix_web::{HttpRequest, Responder, web};
+use actix_web_lab::sse;
+use agentloop_shared::{runs, threads};
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use super::{Batch, next_batch, resume_cursor};
+use crate::error::ApiError;
+use crate::extract::Authenticated;
+use crate::{AppState, Transport, views};
+
+/// Query: `afterSequence` (journal sequence to resume after; `Last-Event-ID` wins).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StreamQuery {
+    pub after_sequence: Option<i64>,
+}
+
+/// SSE of the thread's journal. First `connected` (`{threadId, sequence, transport}`), then a
+/// `thread` snapshot (`{thread, run, streamingMessage, sig}`, carrying the current partial text
+/// for a client joining mid-answer), then every journal event with `id:` = its sequence and
+/// `event:` = its kind, `heartbeat` every `SSE_HEARTBEAT_MS`, and `reset` (`{sequence}`) when the
+/// resume position was pruned. Without a resume position the stream starts at the present.
+/// Closing the connection never cancels anything. 503 `sse_unavailable` when the transport is
+/// configured `long-poll`.
+pub async fn stream_updates(
+    state: web::Data<AppState>,
+    who: Authenticated,
+    req: HttpRequest,
+    path: web::Path<Uuid>,
+    query: web::Query<StreamQuery>,
+) -> Result<impl Responder, ApiError> {
+    if state.transport == Transport::LongPoll {
+        return Err(ApiError::Unavailable {
+            code: "sse_unavailable",
+            message: "SSE is disabled on this server (EVENTS_TRANSPORT=long-poll); use GET /api/threads/{id}/updates".into(),
+        });
+    }
+    let requested = resume_cursor(&req, query.after_sequence)?;
+    let mut conn = state.pool.get().await?;
+    let thread = threads::get_owned(&mut conn, path.into_inner(), who.0.id).await?.ok_or(ApiError::NotFound)?;
+    let run = runs::latest_for_thread(&mut conn, thread.id).await?;
+    drop(conn);
+    let wake = state.hub.subscribe(thread.id);
+    let cursor = requested.unwrap_or(thread.last_event_sequence);
+    let (tx, rx) = mpsc::channel::<sse::Event>(64);
+    let connected = json!({"threadId": thread.id, "sequence": cursor, "transport": state.transport.as_str()});
+    let snapshot = json!({
+        "thread": views::thread_json(&thread),
+        "run": views::run_json(run.as_ref()),
+        "streamingMessage": views::streaming_json(&thread),
+        "sig": views::sig(&thread, run.as_ref()),
+    });
+    let _ = tx.try_send(data("connected", &connected, None));
+    let _ = tx.try_send(data("thread", &snapshot, None));
+    tokio::spawn(pump(state.clone(), thread.id, cursor, wake, tx));
+    Ok(sse::Sse::from_infallible_receiver(rx)
+        .with_retry_duration(Duration::from_secs(2))
+        .customize()
+        .insert_header(("Cache-Control", "no-cache, no-transform"))
+        .insert_header(("X-Accel-Buffering", "no")))
+}
+
+fn data(kind: &str, payload: &serde_json::Value, id: Option<i64>) -> sse::Event {
+    let mut d = sse::Data::new(payload.to_string()).event(kind.to_owned());
+    if let Some(id) = id {
+        d = d.id(id.to_string());
+    }
+    sse::Event::Data(d)
+}
+
+/// Feeds one SSE client from the journal until it disconnects.
+async fn pump(
+    state: web::Data<AppState>,
+    thread_id: Uuid,
+    mut cursor: i64,
+    mut wake: tokio::sync::watch::Receiver<u64>,
+    tx: mpsc::Sender<sse::Event>,
+) {
+    let heartbeat = state.sse_heartbeat;
+    loop {
+        wake.borrow_and_update();
+        let batch = async {
+            let mut conn = state.pool.get().await.map_err(|e| e.to_string())?;
+            let current = agentloop_shared::threads::get(&mut conn, thread_id).await.map_err(|e| e.to_string())?.last_event_sequence;
+            next_batch(&mut conn, thread_id, cursor, current).await.map_err(|e| e.to_string())
+        }
+        .await;
+        let mut sent_any = false;
+        match batch {
+            Ok(Batch::Events(events)) => {
+                sent_any = events.len() as i64 == super::BATCH;
+                for event in events {
+                    if tx.send(data(&event.kind, &event.payload, Some(event.sequence))).await.is_err() {
+                        return;
+                    }
+                    cursor = event.sequence;
+                }
+            }
+            Ok(Batch::Reset { sequence }) => {
+                cursor = sequence;
+                if tx.send(data("reset", &json!({"sequence": sequence}), Some(sequence))).await.is_err() {
+                    return;
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "SSE journal read failed; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+        }
+        if sent_any {
+            continue; // a full batch: more may be waiting
+        }
+        tokio::select! {
+            changed = wake.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep(heartbeat) => {
+                if tx.send(data("heartbeat", &json!({"sequence": cursor}), None)).await.is_err() {
+                    return;
+                }
+            }
+            _ = tx.closed() => return,
+        }
+    }
+}

@@ -1,0 +1,858 @@
+//! Streaming client for OpenAI-compatible Chat Completions endpoints
+//! (`POST {base_url}/chat/completions` with `stream: true`, server-sent events).
+
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use eventsource_stream::{EventStreamError, Eventsource};
+use futures_util::StreamExt;
+use reqwest::{StatusCode, header};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::catalog::ModelConfig;
+
+/// Longest provider error message kept in a [`ProviderError`], in characters.
+const MAX_ERROR_MESSAGE_CHARS: usize = 500;
+/// Longest `Retry-After` honoured between retries.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(30);
+
+/// One chat completion request. The caller has already projected the context for the
+/// provider (SPEC §9); this client adds only transport fields.
+#[derive(Debug, Clone, Default)]
+pub struct ChatRequest {
+    /// OpenAI-format messages (`{"role", "content", "tool_calls"?, "tool_call_id"?}`).
+    pub messages: Vec<Value>,
+    /// OpenAI tool specs (`{"type":"function","function":{...}}`); not sent when empty or
+    /// when the model does not support tools.
+    pub tools: Vec<Value>,
+    /// `"auto"`, `"required"`, `"none"` or `{"type":"function","function":{"name"}}`; sent
+    /// only together with tools.
+    pub tool_choice: Option<Value>,
+    /// Upper bound of generated tokens (`max_tokens`).
+    pub max_tokens: Option<u32>,
+    /// Sampling temperature.
+    pub temperature: Option<f32>,
+}
+
+/// A piece of streamed output, reported as soon as it arrives (for the UI's partial message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamDelta {
+    /// Answer text (`delta.content`).
+    Text(String),
+    /// Reasoning text (`delta.reasoning_content`, `delta.reasoning` or `delta.thinking`).
+    Reasoning(String),
+}
+
+/// A tool call requested by the model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// Provider-assigned id, or `call_<32 hex>` generated here when the provider sent none.
+    pub id: String,
+    /// Function name as sent (may name an unknown tool).
+    pub name: String,
+    /// Arguments exactly as the model sent them (normally a JSON object, possibly invalid).
+    pub arguments: String,
+}
+
+/// Token usage reported by the provider (`stream_options.include_usage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Generated tokens (reasoning included, as providers count it).
+    pub completion_tokens: u64,
+    /// Total tokens.
+    pub total_tokens: u64,
+}
+
+/// The assembled assistant turn of one streamed completion.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct AssistantTurn {
+    /// Concatenated answer text (empty when the model only called tools).
+    pub content: String,
+    /// Concatenated reasoning text, if the provider streamed any.
+    pub reasoning: Option<String>,
+    /// Tool calls in the order of their first delta.
+    pub tool_calls: Vec<ToolCall>,
+    /// Last `finish_reason` seen (`stop`, `length`, `tool_calls`, ...); `None` if the stream
+    /// ended with `[DONE]` but never gave one.
+    pub finish_reason: Option<String>,
+    /// Usage from the last chunk that carried it.
+    pub usage: Option<Usage>,
+    /// Number of stream chunks skipped because they were not valid JSON of the chunk shape.
+    pub malformed_chunks: u32,
+}
+
+/// Provider call failures; [`ProviderError::code`] gives the stable code stored on runs/steps.
+/// Messages carry the provider's own error text (at most 500 characters), never the API key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProviderError {
+    /// A non-retryable HTTP error (4xx other than 429, or 5xx other than 500/502/503/504), or an
+    /// `{"error":{...}}` object inside the stream (status = its `code` if that is an HTTP
+    /// error status, else 502).
+    #[error("model returned HTTP {status}: {message}")]
+    Http { status: u16, message: String },
+    /// HTTP 429 on the last allowed attempt.
+    #[error("model rate limited (HTTP 429) after retries: {message}")]
+    RateLimited { message: String },
+    /// HTTP 500/502/503/504 on the last allowed attempt.
+    #[error("model unavailable (HTTP {status}) after retries: {message}")]
+    Unavailable { status: u16, message: String },
+    /// Connect failure or timeout (after retries), or the body failing mid-stream (not retried).
+    #[error("model transport error: {0}")]
+    Transport(String),
+    /// The stream ended without `[DONE]` and without any `finish_reason`.
+    #[error("model stream ended before the response was complete")]
+    Truncated,
+    /// The body is not a readable event stream (bad UTF-8 or SSE framing).
+    #[error("malformed model response: {0}")]
+    Malformed(String),
+}
+
+impl ProviderError {
+    /// Stable snake_case code: `model_http_error`, `model_rate_limited`, `model_unavailable`,
+    /// `model_transport_error`, `model_stream_truncated`, `model_malformed_response`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Http { .. } => "model_http_error",
+            Self::RateLimited { .. } => "model_rate_limited",
+            Self::Unavailable { .. } => "model_unavailable",
+            Self::Transport(_) => "model_transport_error",
+            Self::Truncated => "model_stream_truncated",
+            Self::Malformed(_) => "model_malformed_response",
+        }
+    }
+}
+
+/// HTTP client for all configured models; cheap to clone (one shared connection pool).
+#[derive(Debug, Clone)]
+pub struct ProviderClient {
+    http: reqwest::Client,
+    max_retries: usize,
+}
+
+impl Default for ProviderClient {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ProviderClient {
+    /// A client with a 10 s connect timeout, TCP keep-alive (a dead peer is detected in about
+    /// 90 s) and no overall timeout (streams are long), retrying at most 3 times.
+    ///
+    /// Installs rustls's `ring` crypto provider as the process default first (a no-op if one is
+    /// installed). Panics only if the TLS backend cannot be initialised, like
+    /// `reqwest::Client::new`.
+    pub fn new() -> Self {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .tcp_keepalive(Duration::from_secs(30))
+            .tcp_keepalive_interval(Duration::from_secs(15))
+            .tcp_keepalive_retries(4)
+            .build()
+            .expect("HTTP client with the rustls ring provider");
+        Self {
+            http,
+            max_retries: 3,
+        }
+    }
+
+    /// Sets how many times a retryable failure is retried (0 disables retries).
+    pub fn with_max_retries(mut self, max_retries: usize) -> Self {
+        self.max_retries = max_retries;
+        self
+    }
+
+    /// Streams one chat completion from `model`, reporting text and reasoning pieces to
+    /// `on_delta` as they arrive, and returns the assembled turn.
+    ///
+    /// Sends `model: upstream_name`, `stream: true`, `stream_options: {include_usage: true}`,
+    /// the bearer key if any. Before the body is read, HTTP 429/500/502/503/504, connect
+    /// errors and timeouts are retried with exponential backoff and jitter (500 ms, x2, at
+    /// most 8 s, or the `Retry-After` seconds capped at 30 s); once streaming has begun nothing
+    /// is retried. Chunks that are not valid JSON are skipped and counted.
+    ///
+    /// Cancel-safe: dropping the future aborts the HTTP request.
+    ///
+    /// Errors: see [`ProviderError`].
+    pub async fn stream_chat(
+        &self,
+        model: &ModelConfig,
+        request: &ChatRequest,
+        on_delta: &mut (dyn FnMut(StreamDelta) + Send),
+    ) -> Result<AssistantTurn, ProviderError> {
+        let with_tools = model.supports_tools && !request.tools.is_empty();
+        let body = serde_json::to_vec(&WireRequest {
+            model: &model.upstream_name,
+            messages: &request.messages,
+            stream: true,
+            stream_options: StreamOptions {
+                include_usage: true,
+            },
+            tools: with_tools.then_some(request.tools.as_slice()),
+            tool_choice: request.tool_choice.as_ref().filter(|_| with_tools),
+            max_tokens: request.max_tokens,
+            temperature: request.temperature,
+        })
+        .map_err(|e| ProviderError::Malformed(format!("cannot encode request: {e}")))?;
+        let url = format!("{}/chat/completions", model.base_url.trim_end_matches('/'));
+
+        let backoff = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(500))
+            .with_factor(2.0)
+            .with_max_delay(Duration::from_secs(8))
+            .with_max_times(self.max_retries)
+            .with_jitter();
+        let response = (|| self.send_once(model, &url, &body))
+            .retry(backoff)
+            .when(|e| e.retryable)
+            .adjust(|e, delay| delay.map(|d| e.retry_after.unwrap_or(d)))
+            .notify(|e, delay| {
+                tracing::warn!(model.name = %model.id, error = %e.error, delay_ms = delay.as_millis() as u64, "retrying model request");
+            })
+            .await
+            .map_err(|e| e.error)?;
+
+        read_stream(response, model, on_delta).await
+    }
+
+    /// One attempt: sends the request and checks the status without touching the body of a
+    /// successful response.
+    async fn send_once(
+        &self,
+        model: &ModelConfig,
+        url: &str,
+        body: &[u8],
+    ) -> Result<reqwest::Response, AttemptError> {
+        let mut request = self
+            .http
+            .post(url)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::ACCEPT, "text/event-stream")
+            .body(body.to_vec());
+        if let Some(key) = &model.api_key {
+            request = request.bearer_auth(key);
+        }
+        let response = request.send().await.map_err(|e| AttemptError {
+            retryable: e.is_connect() || e.is_timeout(),
+            retry_after: None,
+            error: ProviderError::Transport(error_chain(&e)),
+        })?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let retry_after = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok()?.trim().parse::<f64>().ok())
+            .filter(|secs| secs.is_finite() && *secs >= 0.0)
+            .map(|secs| Duration::from_secs_f64(secs).min(MAX_RETRY_AFTER));
+        let body = response.text().await.unwrap_or_default();
+        let message = provider_message(
+            serde_json::from_str::<Value>(&body).ok().as_ref(),
+            &body,
+            status,
+            model.api_key.as_deref(),
+        );
+        let (error, retryable) = match status {
+            StatusCode::TOO_MANY_REQUESTS => (ProviderError::RateLimited { message }, true),
+            StatusCode::INTERNAL_SERVER_ERROR
+            | StatusCode::BAD_GATEWAY
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT => (
+                ProviderError::Unavailable {
+                    status: status.as_u16(),
+                    message,
+                },
+                true,
+            ),
+            _ => (
+                ProviderError::Http {
+                    status: status.as_u16(),
+                    message,
+                },
+                false,
+            ),
+        };
+        Err(AttemptError {
+            error,
+            retryable,
+            retry_after,
+        })
+    }
+}
+
+/// A failed attempt and whether (and when) it may be retried.
+struct AttemptError {
+    error: ProviderError,
+    retryable: bool,
+    retry_after: Option<Duration>,
+}
+
+#[derive(Serialize)]
+struct WireRequest<'a> {
+    model: &'a str,
+    messages: &'a [Value],
+    stream: bool,
+    stream_options: StreamOptions,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<&'a [Value]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<&'a Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f32>,
+}
+
+#[derive(Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+/// One `chat.completion.chunk`, reduced to what is assembled.
+#[derive(Deserialize)]
+struct Chunk {
+    choices: Option<Vec<ChunkChoice>>,
+    usage: Option<Usage>,
+    error: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct ChunkChoice {
+    delta: Option<ChunkDelta>,
+    finish_reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ChunkDelta {
+    content: Option<String>,
+    reasoning_content: Option<String>,
+    reasoning: Option<String>,
+    thinking: Option<String>,
+    tool_calls: Option<Vec<ToolCallDelta>>,
+}
+
+#[derive(Deserialize)]
+struct ToolCallDelta {
+    index: Option<usize>,
+    id: Option<String>,
+    function: Option<FunctionDelta>,
+}
+
+#[derive(Deserialize)]
+struct FunctionDelta {
+    name: Option<String>,
+    arguments: Option<String>,
+}
+
+/// A tool call being assembled; `index` is the provider's `tool_calls[].index`.
+#[derive(Default)]
+struct PartialCall {
+    index: Option<usize>,
+    id: Option<String>,
+    name: String,
+    arguments: String,
+}
+
+/// Reads the event stream of a successful response and assembles the turn.
+async fn read_stream(
+    response: reqwest::Response,
+    model: &ModelConfig,
+    on_delta: &mut (dyn FnMut(StreamDelta) + Send),
+) -> Result<AssistantTurn, ProviderError> {
+    let mut events = response.bytes_stream().eventsource();
+    let mut turn = AssistantTurn::default();
+    let mut calls: Vec<PartialCall> = Vec::new();
+    let mut done = false;
+    while let Some(event) = events.next().await {
+        let event = event.map_err(|e| match e {
+            EventStreamError::Transport(e) => ProviderError::Transport(error_chain(&e)),
+            other => ProviderError::Malformed(other.to_string()),
+        })?;
+        let data = event.data.trim();
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        if data.is_empty() {
+            continue;
+        }
+        let chunk = match serde_json::from_str::<Chunk>(data) {
+            Ok(chunk) => chunk,
+            Err(e) => {
+                tracing::warn!(model.name = %model.id, error = %e, chunk_bytes = data.len(), "skipping malformed stream chunk");
+                turn.malformed_chunks += 1;
+                continue;
+            }
+        };
+        if let Some(error) = chunk.error.filter(|e| !e.is_null()) {
+            let status = error
+                .get("code")
+                .and_then(Value::as_u64)
+                .and_then(|c| u16::try_from(c).ok())
+                .filter(|c| (400..600).contains(c))
+                .unwrap_or(502);
+            let message = provider_message(
+                Some(&serde_json::json!({ "error": error })),
+                data,
+                StatusCode::BAD_GATEWAY,
+                model.api_key.as_deref(),
+            );
+            return Err(ProviderError::Http { status, message });
+        }
+        if chunk.usage.is_some() {
+            turn.usage = chunk.usage;
+        }
+        let Some(choice) = chunk.choices.and_then(|c| c.into_iter().next()) else {
+            continue;
+        };
+        if choice.finish_reason.is_some() {
+            turn.finish_reason = choice.finish_reason;
+        }
+        let Some(delta) = choice.delta else { continue };
+        if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
+            turn.content.push_str(&text);
+            on_delta(StreamDelta::Text(text));
+        }
+        let reasoning = [delta.reasoning_content, delta.reasoning, delta.thinking]
+            .into_iter()
+            .flatten()
+            .find(|t| !t.is_empty());
+        if let Some(text) = reasoning {
+            turn.reasoning.get_or_insert_default().push_str(&text);
+            on_delta(StreamDelta::Reasoning(text));
+        }
+        for part in delta.tool_calls.into_iter().flatten() {
+            let call = call_slot(&mut calls, part.index, part.id.as_deref());
+            if call.id.is_none() {
+                call.id = part.id.filter(|id| !id.is_empty());
+            }
+            if let Some(function) = part.function {
+                if call.name.is_empty() {
+                    call.name = function.name.unwrap_or_default();
+                }
+                call.arguments
+                    .push_str(function.arguments.as_deref().unwrap_or_default());
+            }
+        }
+    }
+    if !done && turn.finish_reason.is_none() {
+        return Err(ProviderError::Truncated);
+    }
+    turn.tool_calls = calls
+        .into_iter()
+        .map(|c| ToolCall {
+            id: c
+                .id
+                .unwrap_or_else(|| format!("call_{}", uuid::Uuid::new_v4().simple())),
+            name: c.name,
+            arguments: c.arguments,
+        })
+        .collect();
+    Ok(turn)
+}
+
+/// The call a tool-call delta continues: same `index`; without an index, same `id`; without
+/// either, the latest call. A new call is started when none matches.
+fn call_slot<'a>(
+    calls: &'a mut Vec<PartialCall>,
+    index: Option<usize>,
+    id: Option<&str>,
+) -> &'a mut PartialCall {
+    let found = match (index, id) {
+        (Some(index), _) => calls.iter().position(|c| c.index == Some(index)),
+        (None, Some(id)) => calls.iter().position(|c| c.id.as_deref() == Some(id)),
+        (None, None) => calls.len().checked_sub(1),
+    };
+    let position = found.unwrap_or_else(|| {
+        calls.push(PartialCall {
+            index,
+            ..PartialCall::default()
+        });
+        calls.len() - 1
+    });
+    &mut calls[position]
+}
+
+/// The provider's error text: `error.message`, a string `error`, or `message` from a JSON
+/// body, else the raw body, else the status reason; the key redacted, cut to 500 characters.
+fn provider_message(
+    json: Option<&Value>,
+    raw: &str,
+    status: StatusCode,
+    api_key: Option<&str>,
+) -> String {
+    let from_json = json.and_then(|v| {
+        let error = v.get("error");
+        error
+            .and_then(|e| e.get("message"))
+            .or(error)
+            .or_else(|| v.get("message"))
+            .and_then(Value::as_str)
+    });
+    let mut message = from_json.unwrap_or(raw).trim().to_owned();
+    if message.is_empty() {
+        message = status.canonical_reason().unwrap_or("no message").to_owned();
+    }
+    if let Some(key) = api_key.filter(|k| !k.is_empty()) {
+        message = message.replace(key, "[redacted]");
+    }
+    if message.chars().count() > MAX_ERROR_MESSAGE_CHARS {
+        message = message
+            .chars()
+            .take(MAX_ERROR_MESSAGE_CHARS)
+            .collect::<String>()
+            + "…";
+    }
+    message
+}
+
+/// An error with its source chain (`reqwest`'s own message omits the cause).
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use serde_json::json;
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        net::{TcpListener, TcpStream},
+    };
+
+    use super::*;
+    use crate::provider::ModelCatalog;
+
+    fn http(status: &str, headers: &str, body: &str) -> String {
+        format!("HTTP/1.1 {status}\r\nConnection: close\r\n{headers}\r\n{body}")
+    }
+
+    fn sse(events: &[&str]) -> String {
+        let body: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
+        http("200 OK", "Content-Type: text/event-stream\r\n", &body)
+    }
+
+    fn model(base_url: &str) -> ModelConfig {
+        ModelCatalog::from_env_vars(base_url, Some("sk-test"), "m", None)
+            .unwrap()
+            .models
+            .remove(0)
+    }
+
+    /// Reads one HTTP/1.1 request (headers and `Content-Length` body) as text.
+    async fn read_request(socket: &mut TcpStream) -> String {
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            let text = String::from_utf8_lossy(&buf);
+            if let Some(end) = text.find("\r\n\r\n") {
+                let length = text[..end]
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")?
+                            .trim()
+                            .parse()
+                            .ok()
+                    })
+                    .unwrap_or(0usize);
+                if buf.len() >= end + 4 + length {
+                    return text.into_owned();
+                }
+            }
+            let n = socket.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "client closed before sending a full request");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// Serves one canned response per connection, in order; returns the model pointing at it
+    /// and the requests seen.
+    async fn serve(responses: Vec<String>) -> (ModelConfig, Arc<Mutex<Vec<String>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base_url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        tokio::spawn(async move {
+            for response in responses {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                let request = read_request(&mut socket).await;
+                log.lock().unwrap().push(request);
+                socket.write_all(response.as_bytes()).await.unwrap();
+                let _ = socket.shutdown().await;
+            }
+        });
+        (model(&base_url), seen)
+    }
+
+    async fn chat(
+        client: &ProviderClient,
+        model: &ModelConfig,
+        request: &ChatRequest,
+    ) -> (Result<AssistantTurn, ProviderError>, Vec<StreamDelta>) {
+        let mut deltas = Vec::new();
+        let result = client
+            .stream_chat(model, request, &mut |d| deltas.push(d))
+            .await;
+        (result, deltas)
+    }
+
+    fn request_json(raw: &str) -> Value {
+        serde_json::from_str(raw.split_once("\r\n\r\n").unwrap().1).unwrap()
+    }
+
+    #[tokio::test]
+    async fn assembles_text_reasoning_and_usage() {
+        let (mut model, seen) = serve(vec![sse(&[
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","reasoning_content":"Let me"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"reasoning":" think"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"Hel"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":"stop"}]}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}"#,
+            "[DONE]",
+        ])])
+        .await;
+        model.supports_tools = false;
+        let request = ChatRequest {
+            messages: vec![json!({"role": "user", "content": "hi"})],
+            tools: vec![json!({"type": "function", "function": {"name": "x"}})],
+            tool_choice: Some(json!("auto")),
+            max_tokens: Some(64),
+            ..ChatRequest::default()
+        };
+        let (result, deltas) = chat(&ProviderClient::new(), &model, &request).await;
+        let turn = result.unwrap();
+        assert_eq!(turn.content, "Hello");
+        assert_eq!(turn.reasoning.as_deref(), Some("Let me think"));
+        assert_eq!(turn.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(
+            turn.usage,
+            Some(Usage {
+                prompt_tokens: 7,
+                completion_tokens: 3,
+                total_tokens: 10
+            })
+        );
+        assert_eq!(
+            deltas,
+            [
+                StreamDelta::Reasoning("Let me".into()),
+                StreamDelta::Reasoning(" think".into()),
+                StreamDelta::Text("Hel".into()),
+                StreamDelta::Text("lo".into()),
+            ]
+        );
+        let raw = seen.lock().unwrap()[0].clone();
+        assert!(raw.starts_with("POST /v1/chat/completions "));
+        assert!(
+            raw.to_ascii_lowercase()
+                .contains("authorization: bearer sk-test")
+        );
+        let body = request_json(&raw);
+        assert_eq!(body["model"], "m");
+        assert_eq!(body["stream"], true);
+        assert_eq!(body["stream_options"]["include_usage"], true);
+        assert_eq!(body["max_tokens"], 64);
+        assert!(body.get("tools").is_none() && body.get("tool_choice").is_none());
+    }
+
+    #[tokio::test]
+    async fn assembles_parallel_tool_calls_and_skips_malformed_chunks() {
+        let (model, seen) = serve(vec![sse(&[
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_a","type":"function","function":{"name":"calculator","arguments":"{\"expr"}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":1,"id":"call_b","function":{"name":"current_time","arguments":""}}]}}]}"#,
+            "{not json",
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"ession\":\"1+1\"}"}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":1,"function":{"arguments":"{}"}},{"index":2,"function":{"name":"sleep","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ])])
+        .await;
+        let request = ChatRequest {
+            tools: vec![json!({"type": "function", "function": {"name": "calculator"}})],
+            tool_choice: Some(json!("required")),
+            ..ChatRequest::default()
+        };
+        let (result, deltas) = chat(&ProviderClient::new(), &model, &request).await;
+        let turn = result.unwrap();
+        assert!(deltas.is_empty() && turn.content.is_empty());
+        assert_eq!(turn.malformed_chunks, 1);
+        assert_eq!(turn.finish_reason.as_deref(), Some("tool_calls"));
+        let calls: Vec<_> = turn
+            .tool_calls
+            .iter()
+            .map(|c| (c.name.as_str(), c.arguments.as_str()))
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                ("calculator", r#"{"expression":"1+1"}"#),
+                ("current_time", "{}"),
+                ("sleep", "{}")
+            ]
+        );
+        assert_eq!(
+            (
+                turn.tool_calls[0].id.as_str(),
+                turn.tool_calls[1].id.as_str()
+            ),
+            ("call_a", "call_b")
+        );
+        assert!(turn.tool_calls[2].id.starts_with("call_") && turn.tool_calls[2].id.len() > 10);
+        let body = request_json(&seen.lock().unwrap()[0]);
+        assert_eq!(body["tools"][0]["function"]["name"], "calculator");
+        assert_eq!(body["tool_choice"], "required");
+    }
+
+    #[tokio::test]
+    async fn stream_end_without_done_or_finish_is_truncated() {
+        let (model, _) = serve(vec![
+            sse(&[r#"{"choices":[{"delta":{"content":"partial"}}]}"#]),
+            sse(&[r#"{"choices":[{"delta":{"content":"whole"},"finish_reason":"stop"}]}"#]),
+        ])
+        .await;
+        let client = ProviderClient::new();
+        let (result, deltas) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result, Err(ProviderError::Truncated));
+        assert_eq!(result.unwrap_err().code(), "model_stream_truncated");
+        assert_eq!(deltas, [StreamDelta::Text("partial".into())]);
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap().content, "whole");
+    }
+
+    #[tokio::test]
+    async fn error_object_in_stream_is_an_http_error() {
+        let (model, _) = serve(vec![sse(&[
+            r#"{"choices":[{"delta":{"content":"a"}}]}"#,
+            r#"{"error":{"code":500,"message":"context overflow"}}"#,
+        ])])
+        .await;
+        let (result, _) = chat(&ProviderClient::new(), &model, &ChatRequest::default()).await;
+        assert_eq!(
+            result,
+            Err(ProviderError::Http {
+                status: 500,
+                message: "context overflow".into()
+            })
+        );
+    }
+
+    #[tokio::test]
+    async fn retries_503_then_succeeds() {
+        let (model, seen) = serve(vec![
+            http(
+                "503 Service Unavailable",
+                "Content-Type: application/json\r\nRetry-After: 0\r\n",
+                r#"{"error":{"message":"overloaded"}}"#,
+            ),
+            sse(&[
+                r#"{"choices":[{"delta":{"content":"ok"},"finish_reason":"stop"}]}"#,
+                "[DONE]",
+            ]),
+        ])
+        .await;
+        let (result, _) = chat(&ProviderClient::new(), &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap().content, "ok");
+        assert_eq!(seen.lock().unwrap().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn rate_limit_after_retries() {
+        let limited = http(
+            "429 Too Many Requests",
+            "Retry-After: 0\r\n",
+            r#"{"error":{"message":"slow down"}}"#,
+        );
+        let (model, seen) = serve(vec![limited.clone(), limited]).await;
+        let client = ProviderClient::new().with_max_retries(1);
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        let error = result.unwrap_err();
+        assert_eq!(
+            error,
+            ProviderError::RateLimited {
+                message: "slow down".into()
+            }
+        );
+        assert_eq!(error.code(), "model_rate_limited");
+        assert_eq!(seen.lock().unwrap().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn bad_request_is_not_retried_and_hides_the_key() {
+        let long = "x".repeat(600);
+        let body = json!({"error": {"message": format!("bad key sk-test {long}")}}).to_string();
+        let (model, seen) = serve(vec![
+            http(
+                "400 Bad Request",
+                "Content-Type: application/json\r\n",
+                &body,
+            ),
+            sse(&["[DONE]"]),
+        ])
+        .await;
+        let (result, _) = chat(&ProviderClient::new(), &model, &ChatRequest::default()).await;
+        let Err(ProviderError::Http {
+            status: 400,
+            message,
+        }) = result
+        else {
+            panic!("expected HTTP 400, got {result:?}");
+        };
+        assert!(message.starts_with("bad key [redacted] xxx") && !message.contains("sk-test"));
+        assert_eq!(message.chars().count(), 501);
+        assert_eq!(seen.lock().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn connect_failure_is_a_transport_error() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base_url = format!("http://{}/v1", listener.local_addr().unwrap());
+        drop(listener);
+        let client = ProviderClient::new().with_max_retries(0);
+        let (result, _) = chat(&client, &model(&base_url), &ChatRequest::default()).await;
+        assert_eq!(result.unwrap_err().code(), "model_transport_error");
+    }
+
+    #[tokio::test]
+    async fn dropping_the_future_aborts_the_request() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let model = model(&format!("http://{}/v1", listener.local_addr().unwrap()));
+        let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            read_request(&mut socket).await;
+            let head = sse(&[r#"{"choices":[{"delta":{"content":"a"}}]}"#]);
+            socket.write_all(head.as_bytes()).await.unwrap();
+            let mut rest = [0u8; 64];
+            while socket.read(&mut rest).await.is_ok_and(|n| n > 0) {}
+            let _ = closed_tx.send(());
+        });
+        let client = ProviderClient::new();
+        let request = ChatRequest::default();
+        let call = chat(&client, &model, &request);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), call)
+                .await
+                .is_err()
+        );
+        tokio::time::timeout(Duration::from_secs(5), closed_rx)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+}

@@ -1,0 +1,10 @@
+//! Model access: the catalog of configured OpenAI-compatible models and the streaming client
+//! that calls them. No database access here.
+
+pub mod catalog;
+pub mod client;
+
+pub use catalog::{CatalogError, ModelArgs, ModelCatalog, ModelConfig, ModelFamily};
+pub use client::{
+    AssistantTurn, ChatRequest, ProviderClient, ProviderError, StreamDelta, ToolCall, Usage,
+};

@@ -1,0 +1,437 @@
+//! Tools the model may call: the [`Tool`] trait, the [`ToolRegistry`] that validates
+//! arguments and bounds results, and the built-in tools (`calculator`, `current_time`,
+//! `sleep`).
+//!
+//! Every failure a model can cause (unknown tool, bad arguments, tool error, cancellation)
+//! becomes an error [`ToolOutcome`] the model reads; nothing here panics on model input.
+
+pub mod builtin;
+
+use std::{fmt, sync::Arc};
+
+use futures_util::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use tokio_util::sync::CancellationToken;
+
+pub use builtin::{BuiltinToolConfig, Calculator, CurrentTime, Sleep};
+
+/// Room reserved for the `\n…[N bytes omitted]…\n` marker of a cut result, in bytes.
+const OMISSION_MARKER_BYTES: usize = 48;
+
+/// A callable tool.
+pub trait Tool: Send + Sync {
+    /// Name the model calls it by (`^[a-zA-Z0-9_-]{1,64}$` per OpenAI's function naming).
+    fn name(&self) -> &str;
+    /// One-paragraph description shown to the model.
+    fn description(&self) -> &str;
+    /// JSON Schema of the argument object; the registry enforces its `required` list and the
+    /// `type` of each of its `properties` before calling.
+    fn parameters(&self) -> Value;
+    /// True if calling twice with the same arguments is harmless: such tools skip the
+    /// `operations` protocol and are simply retried after a crash (SPEC §7).
+    fn idempotent(&self) -> bool;
+    /// Runs the tool on a validated argument object. The future must not borrow `self`;
+    /// long-running tools should also watch `ctx.cancel` (the registry stops waiting anyway).
+    fn call(&self, args: Value, ctx: ToolContext) -> BoxFuture<'static, Result<String, ToolError>>;
+}
+
+/// Per-call context handed to a tool.
+#[derive(Debug, Clone)]
+pub struct ToolContext {
+    /// Stable key of this call, e.g. `run:{run_id}:step:{sequence}:call:{tool_call_id}`;
+    /// tools with external effects pass it on so a repeated call is deduplicated.
+    pub idempotency_key: String,
+    /// Cancelled when the slice is cancelled or abandoned.
+    pub cancel: CancellationToken,
+}
+
+/// A tool failure; its `Display` text is what the model reads.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ToolError {
+    /// Arguments the schema allowed but the tool cannot use.
+    #[error("invalid arguments: {0}")]
+    InvalidArguments(String),
+    /// The tool ran and failed.
+    #[error("{0}")]
+    Failed(String),
+    /// The call was cancelled through [`ToolContext::cancel`].
+    #[error("cancelled")]
+    Cancelled,
+}
+
+/// Result of [`ToolRegistry::execute`], becoming the `role: "tool"` message content.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolOutcome {
+    /// Result text or error message, at most the registry's `max_result_bytes` bytes (when
+    /// that is at least 48).
+    pub content: String,
+    /// True if `content` describes a failure.
+    pub is_error: bool,
+}
+
+impl ToolOutcome {
+    fn error(message: impl Into<String>) -> Self {
+        Self {
+            content: message.into(),
+            is_error: true,
+        }
+    }
+}
+
+/// The tools offered to models, in registration order.
+#[derive(Clone)]
+pub struct ToolRegistry {
+    tools: Vec<Arc<dyn Tool>>,
+    max_result_bytes: usize,
+}
+
+impl fmt::Debug for ToolRegistry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ToolRegistry")
+            .field(
+                "tools",
+                &self.tools.iter().map(|t| t.name()).collect::<Vec<_>>(),
+            )
+            .field("max_result_bytes", &self.max_result_bytes)
+            .finish()
+    }
+}
+
+impl ToolRegistry {
+    /// An empty registry cutting results longer than `max_result_bytes` bytes.
+    pub fn new(max_result_bytes: usize) -> Self {
+        Self {
+            tools: Vec::new(),
+            max_result_bytes,
+        }
+    }
+
+    /// A registry with the built-in tools `calculator`, `current_time` and `sleep`.
+    pub fn builtin(config: &BuiltinToolConfig) -> Self {
+        let mut registry = Self::new(config.max_result_bytes);
+        registry.register(Arc::new(Calculator));
+        registry.register(Arc::new(CurrentTime));
+        registry.register(Arc::new(Sleep {
+            max_seconds: config.max_sleep_seconds,
+        }));
+        registry
+    }
+
+    /// Adds a tool, replacing any tool of the same name in place.
+    pub fn register(&mut self, tool: Arc<dyn Tool>) {
+        match self.tools.iter_mut().find(|t| t.name() == tool.name()) {
+            Some(slot) => *slot = tool,
+            None => self.tools.push(tool),
+        }
+    }
+
+    /// OpenAI tool specs: `[{"type":"function","function":{"name","description","parameters"}}]`.
+    pub fn specs(&self) -> Vec<Value> {
+        self.tools
+            .iter()
+            .map(|tool| {
+                serde_json::json!({
+                    "type": "function",
+                    "function": {
+                        "name": tool.name(),
+                        "description": tool.description(),
+                        "parameters": tool.parameters(),
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// The tool with this name.
+    pub fn get(&self, name: &str) -> Option<&dyn Tool> {
+        self.tools
+            .iter()
+            .find(|t| t.name() == name)
+            .map(|t| t.as_ref())
+    }
+
+    /// Validates `raw_arguments` (the model's text; empty means `{}`) against the tool's
+    /// schema and runs it. Never fails: an unknown tool (`unknown tool: x`), arguments that are
+    /// not a JSON object, a missing required field, a wrong JSON type, a tool error or
+    /// cancellation of `ctx.cancel` (`cancelled`, returned promptly) give an error outcome.
+    /// Content longer than `max_result_bytes` keeps its head and tail around
+    /// `\n…[N bytes omitted]…\n`, cut on character boundaries.
+    pub async fn execute(&self, name: &str, raw_arguments: &str, ctx: ToolContext) -> ToolOutcome {
+        let Some(tool) = self.get(name) else {
+            return ToolOutcome::error(format!("unknown tool: {name}"));
+        };
+        let arguments = match parse_arguments(raw_arguments)
+            .and_then(|mut args| conform_arguments(&tool.parameters(), &mut args).map(|()| args))
+        {
+            Ok(args) => Value::Object(args),
+            Err(problem) => {
+                let message = format!("invalid arguments for {name}: {problem}");
+                return ToolOutcome::error(truncate_middle(message, self.max_result_bytes));
+            }
+        };
+        let cancel = ctx.cancel.clone();
+        let result = tokio::select! {
+            biased;
+            () = cancel.cancelled() => Err(ToolError::Cancelled),
+            result = tool.call(arguments, ctx) => result,
+        };
+        let (content, is_error) = match result {
+            Ok(text) => (text, false),
+            Err(error) => (error.to_string(), true),
+        };
+        ToolOutcome {
+            content: truncate_middle(content, self.max_result_bytes),
+            is_error,
+        }
+    }
+}
+
+/// Parses the model's argument text into an object (empty or blank text is `{}`).
+fn parse_arguments(raw: &str) -> Result<Map<String, Value>, String> {
+    if raw.trim().is_empty() {
+        return Ok(Map::new());
+    }
+    match serde_json::from_str::<Value>(raw) {
+        Ok(Value::Object(args)) => Ok(args),
+        Ok(_) => Err("expected a JSON object".to_owned()),
+        Err(e) => Err(format!("not valid JSON ({e})")),
+    }
+}
+
+/// Enforces the schema's `required` list and `properties.*.type` (a name or a list of names);
+/// a `null` value counts as absent. Whole floats in `integer` fields become integers (`2.0`
+/// -> `2`), so tools can read them with `as_u64`/`as_i64`.
+fn conform_arguments(schema: &Value, args: &mut Map<String, Value>) -> Result<(), String> {
+    let required = schema["required"].as_array().into_iter().flatten();
+    for field in required.filter_map(Value::as_str) {
+        if args.get(field).is_none_or(Value::is_null) {
+            return Err(format!("missing required field `{field}`"));
+        }
+    }
+    for (key, value) in args.iter_mut().filter(|(_, v)| !v.is_null()) {
+        let types: Vec<&str> = match &schema["properties"][key.as_str()]["type"] {
+            Value::String(name) => vec![name.as_str()],
+            Value::Array(names) => names.iter().filter_map(Value::as_str).collect(),
+            _ => continue,
+        };
+        if !types.is_empty() && !types.iter().any(|t| json_type_matches(t, value)) {
+            return Err(format!(
+                "field `{key}` must be of type {}",
+                types.join(" or ")
+            ));
+        }
+        if types.contains(&"integer")
+            && value.is_f64()
+            && let Some(whole) = value
+                .as_f64()
+                .filter(|f| f.fract() == 0.0 && f.abs() < 9e15)
+        {
+            *value = Value::from(whole as i64);
+        }
+    }
+    Ok(())
+}
+
+fn json_type_matches(json_type: &str, value: &Value) -> bool {
+    match json_type {
+        "string" => value.is_string(),
+        "number" => value.is_number(),
+        "integer" => {
+            value.is_i64() || value.is_u64() || value.as_f64().is_some_and(|f| f.fract() == 0.0)
+        }
+        "boolean" => value.is_boolean(),
+        "object" => value.is_object(),
+        "array" => value.is_array(),
+        "null" => value.is_null(),
+        _ => true,
+    }
+}
+
+/// Cuts `text` to at most `max_bytes` bytes (for `max_bytes` >= 48) by replacing its middle
+/// with `\n…[N bytes omitted]…\n`.
+fn truncate_middle(text: String, max_bytes: usize) -> String {
+    if text.len() <= max_bytes {
+        return text;
+    }
+    let keep = max_bytes.saturating_sub(OMISSION_MARKER_BYTES);
+    let head_end = text.floor_char_boundary(keep / 2);
+    let tail_start = text.ceil_char_boundary(text.len() - (keep - head_end));
+    format!(
+        "{}\n…[{} bytes omitted]…\n{}",
+        &text[..head_end],
+        tail_start - head_end,
+        &text[tail_start..]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Returns `text` repeated `times` times, or fails with `text` when `fail` is true.
+    struct Echo;
+
+    impl Tool for Echo {
+        fn name(&self) -> &str {
+            "echo"
+        }
+        fn description(&self) -> &str {
+            "Repeats text."
+        }
+        fn parameters(&self) -> Value {
+            serde_json::json!({
+                "type": "object",
+                "properties": {
+                    "text": {"type": "string"},
+                    "times": {"type": "integer"},
+                    "fail": {"type": ["boolean", "null"]}
+                },
+                "required": ["text"]
+            })
+        }
+        fn idempotent(&self) -> bool {
+            true
+        }
+        fn call(
+            &self,
+            args: Value,
+            _ctx: ToolContext,
+        ) -> BoxFuture<'static, Result<String, ToolError>> {
+            Box::pin(async move {
+                let text = args["text"].as_str().unwrap_or_default().to_owned();
+                if args["fail"] == true {
+                    return Err(ToolError::Failed(text));
+                }
+                Ok(text.repeat(args["times"].as_u64().unwrap_or(1) as usize))
+            })
+        }
+    }
+
+    fn registry(max_result_bytes: usize) -> ToolRegistry {
+        let mut registry = ToolRegistry::builtin(&BuiltinToolConfig {
+            max_result_bytes,
+            ..BuiltinToolConfig::default()
+        });
+        registry.register(Arc::new(Echo));
+        registry
+    }
+
+    fn ctx() -> ToolContext {
+        ToolContext {
+            idempotency_key: "run:r:step:1:call:c".into(),
+            cancel: CancellationToken::new(),
+        }
+    }
+
+    async fn run(name: &str, args: &str) -> ToolOutcome {
+        registry(16 * 1024).execute(name, args, ctx()).await
+    }
+
+    #[test]
+    fn specs_are_openai_functions() {
+        let specs = registry(100).specs();
+        let names: Vec<_> = specs
+            .iter()
+            .map(|s| s["function"]["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["calculator", "current_time", "sleep", "echo"]);
+        assert!(specs.iter().all(|s| s["type"] == "function" && s["function"]["parameters"]["type"] == "object"));
+        assert!(registry(100).get("sleep").unwrap().idempotent());
+    }
+
+    #[tokio::test]
+    async fn execute_error_paths() {
+        let cases = [
+            ("nope", "{}", "unknown tool: nope"),
+            (
+                "echo",
+                "{\"text\":",
+                "invalid arguments for echo: not valid JSON",
+            ),
+            (
+                "echo",
+                "[1]",
+                "invalid arguments for echo: expected a JSON object",
+            ),
+            (
+                "echo",
+                "",
+                "invalid arguments for echo: missing required field `text`",
+            ),
+            (
+                "echo",
+                r#"{"text":null}"#,
+                "invalid arguments for echo: missing required field `text`",
+            ),
+            (
+                "echo",
+                r#"{"text":5}"#,
+                "invalid arguments for echo: field `text` must be of type string",
+            ),
+            (
+                "echo",
+                r#"{"text":"a","times":1.5}"#,
+                "invalid arguments for echo: field `times` must be of type integer",
+            ),
+            ("echo", r#"{"text":"boom","fail":true}"#, "boom"),
+        ];
+        for (name, args, expected) in cases {
+            let outcome = run(name, args).await;
+            assert!(outcome.is_error, "{name} {args}");
+            assert!(
+                outcome.content.starts_with(expected),
+                "{name} {args}: {}",
+                outcome.content
+            );
+        }
+        let ok = run("echo", r#"{"text":"hi","times":2.0,"fail":null}"#).await;
+        assert_eq!(
+            ok,
+            ToolOutcome {
+                content: "hihi".into(),
+                is_error: false
+            }
+        );
+        let empty_is_object = run("current_time", "  ").await;
+        assert!(!empty_is_object.is_error, "{}", empty_is_object.content);
+    }
+
+    #[tokio::test]
+    async fn long_results_keep_head_and_tail() {
+        let registry = registry(100);
+        let args = serde_json::json!({"text": "é", "times": 200}).to_string();
+        let outcome = registry.execute("echo", &args, ctx()).await;
+        assert!(!outcome.is_error);
+        assert!(outcome.content.len() <= 100, "{}", outcome.content.len());
+        let (head, rest) = outcome.content.split_once("\n…[").unwrap();
+        let (omitted, tail) = rest.split_once(" bytes omitted]…\n").unwrap();
+        assert!(head.chars().all(|c| c == 'é') && tail.chars().all(|c| c == 'é'));
+        assert_eq!(
+            head.len() + tail.len() + omitted.parse::<usize>().unwrap(),
+            400
+        );
+    }
+
+    #[tokio::test]
+    async fn cancellation_returns_promptly() {
+        let ctx = ctx();
+        let cancel = ctx.cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            cancel.cancel();
+        });
+        let started = std::time::Instant::now();
+        let outcome = registry(1000)
+            .execute("sleep", r#"{"seconds": 30}"#, ctx)
+            .await;
+        assert_eq!(
+            outcome,
+            ToolOutcome {
+                content: "cancelled".into(),
+                is_error: true
+            }
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+}
