@@ -1,1 +1,434 @@
+//! Black-box test harness: every test gets its own PostgreSQL database (cloned from a migrated
+//! template), the real `agentloop-api` / `agentloop-worker` binaries as child processes, and a
+//! scripted OpenAI-compatible mock model (`mock-model`). Assertions are made on HTTP responses
+//! and database rows, never on log text.
+//!
+//! Environment: `TEST_DATABASE_URL` — a superuser URL that may `CREATE DATABASE` (default
+//! `postgres://postgres@127.0.0.1:5432/postgres`). Binaries are taken from the cargo target
+//! directory of the running test (build with `cargo build --workspace` first).
 
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+use tokio_postgres::NoTls;
+
+/// The admin URL used to create and drop per-test databases.
+pub fn admin_url() -> String {
+    std::env::var("TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+fn url_for(db: &str) -> String {
+    let admin = admin_url();
+    let (base, _) = admin.rsplit_once('/').expect("TEST_DATABASE_URL has a database path");
+    let query = admin.split_once('?').map(|(_, q)| format!("?{q}")).unwrap_or_default();
+    format!("{base}/{db}{query}")
+}
+
+/// The cargo target profile directory holding the binaries (`target/debug`).
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let mut dir = exe.parent().expect("exe dir").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir
+}
+
+fn bin(name: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    assert!(path.exists(), "{} is missing: run `cargo build --workspace` first", path.display());
+    path
+}
+
+/// Folder for this test's process logs: `test-output/<test name>/`.
+fn log_dir(test: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../test-output").join(test);
+    std::fs::create_dir_all(&root).expect("create test-output dir");
+    root
+}
+
+/// A database of its own for one test, dropped (with `FORCE`) when the value is dropped.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+}
+
+const TEMPLATE: &str = "agentloop_test_template";
+
+impl TestDb {
+    /// Creates `t_<uuid>` from the migrated template (creating the template first if needed,
+    /// under an advisory lock so parallel test processes build it once).
+    pub async fn create() -> Result<Self> {
+        let (admin, conn) = tokio_postgres::connect(&admin_url(), NoTls).await.context("connecting to TEST_DATABASE_URL")?;
+        tokio::spawn(conn);
+        admin.execute("SELECT pg_advisory_lock(727272)", &[]).await?;
+        let fingerprint = migrations_fingerprint();
+        let exists = admin
+            .query_opt(
+                "SELECT 1 FROM pg_database d JOIN pg_shdescription s ON s.objoid = d.oid WHERE d.datname = $1 AND s.description = $2",
+                &[&TEMPLATE, &fingerprint],
+            )
+            .await?
+            .is_some();
+        if !exists {
+            admin.batch_execute(&format!("DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")).await?;
+            admin.batch_execute(&format!("CREATE DATABASE {TEMPLATE}")).await?;
+            let status = Command::new(bin("agentloop-worker"))
+                .arg("migrate")
+                .env("DATABASE_URL", url_for(TEMPLATE))
+                .env("RUST_LOG", "warn")
+                .status()?;
+            if !status.success() {
+                bail!("migrating the template failed");
+            }
+            admin.batch_execute(&format!("COMMENT ON DATABASE {TEMPLATE} IS '{fingerprint}'")).await?;
+        }
+        let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+        let created = admin.batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {TEMPLATE}")).await;
+        admin.execute("SELECT pg_advisory_unlock(727272)", &[]).await?;
+        created?;
+        Ok(Self { url: url_for(&name), name })
+    }
+
+    /// A plain client for assertions on rows.
+    pub async fn client(&self) -> Result<tokio_postgres::Client> {
+        let (client, conn) = tokio_postgres::connect(&self.url, NoTls).await?;
+        tokio::spawn(conn);
+        Ok(client)
+    }
+}
+
+fn migrations_fingerprint() -> String {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations");
+    let mut entries: Vec<_> = std::fs::read_dir(&dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    entries.sort();
+    let mut acc = String::new();
+    for e in entries {
+        if let Ok(up) = std::fs::read_to_string(e.join("up.sql")) {
+            acc.push_str(&e.display().to_string());
+            acc.push_str(&up);
+        }
+    }
+    format!("{:x}", md5_like(acc.as_bytes()))
+}
+
+fn md5_like(bytes: &[u8]) -> u64 {
+    // FNV-1a: a fingerprint, not security.
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100000001b3))
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            rt.block_on(async move {
+                if let Ok((admin, conn)) = tokio_postgres::connect(&admin_url(), NoTls).await {
+                    tokio::spawn(conn);
+                    let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A child process killed (SIGKILL) when dropped.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+}
+
+impl Proc {
+    /// The process id.
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Sends `signal` to the process.
+    pub fn signal(&self, signal: Signal) {
+        let _ = kill(Pid::from_raw(self.pid()), signal);
+    }
+
+    /// Waits up to `timeout` for the process to exit; returns whether it exited.
+    pub fn wait_exit(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_logged(test: &str, name: &str, mut cmd: Command) -> Result<Proc> {
+    let dir = log_dir(test);
+    let log = std::fs::File::create(dir.join(format!("{name}.log")))?;
+    cmd.stdout(Stdio::from(log.try_clone()?)).stderr(Stdio::from(log)).stdin(Stdio::null());
+    let child = cmd.spawn().with_context(|| format!("spawning {name}"))?;
+    Ok(Proc { name: name.to_owned(), child })
+}
+
+/// The scripted mock model server.
+pub struct MockModel {
+    pub url: String,
+    _proc: Proc,
+}
+
+impl MockModel {
+    /// Starts `mock-model` on a free loopback port.
+    pub fn start() -> Result<Self> {
+        let mut child = Command::new(bin("mock-model"))
+            .args(["--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .stdin(Stdio::null())
+            .spawn()?;
+        let stdout = child.stdout.take().context("mock stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let url = line.trim().strip_prefix("MOCK_MODEL_URL=").context("mock-model did not print its URL")?.to_owned();
+        Ok(Self { url, _proc: Proc { name: "mock-model".into(), child } })
+    }
+
+    /// Every chat-completions request body the mock received, in order.
+    pub async fn requests(&self) -> Result<Vec<Value>> {
+        Ok(reqwest::get(format!("{}/_mock/requests", self.url)).await?.json().await?)
+    }
+}
+
+/// A free loopback port (bound then released; fine for tests).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+}
+
+/// Options of a test stack.
+#[derive(Clone)]
+pub struct StackOptions {
+    pub workers: usize,
+    /// Extra environment for every worker (e.g. `WORKER_LEASE_MS`).
+    pub worker_env: Vec<(String, String)>,
+    /// Extra environment for the api.
+    pub api_env: Vec<(String, String)>,
+}
+
+impl Default for StackOptions {
+    fn default() -> Self {
+        Self { workers: 1, worker_env: Vec::new(), api_env: Vec::new() }
+    }
+}
+
+/// A whole stack for one test: database, mock model, api, workers, an API key.
+pub struct Stack {
+    pub test: String,
+    pub db: TestDb,
+    pub mock: MockModel,
+    pub api: Proc,
+    pub api_url: String,
+    pub workers: Vec<Proc>,
+    pub key: String,
+    options: StackOptions,
+    next_worker: usize,
+}
+
+impl Stack {
+    /// Starts everything and waits until the api is ready.
+    pub async fn start(test: &str, options: StackOptions) -> Result<Self> {
+        let db = TestDb::create().await?;
+        let mock = MockModel::start()?;
+        let key = create_key(&db.url, "tester")?;
+        let port = free_port();
+        let mut cmd = Command::new(bin("agentloop-api"));
+        cmd.arg("run")
+            .env("DATABASE_URL", &db.url)
+            .env("API_LISTEN", format!("127.0.0.1:{port}"))
+            .env("MODEL_BASE_URL", format!("{}/v1", mock.url))
+            .env("MODEL_NAME", "mock")
+            .env("API_WORKERS", "2")
+            .env("DB_POOL_SIZE", "8")
+            .env("RUST_LOG", "info");
+        for (k, v) in &options.api_env {
+            cmd.env(k, v);
+        }
+        let api = spawn_logged(test, "api", cmd)?;
+        let api_url = format!("http://127.0.0.1:{port}");
+        let mut stack = Self {
+            test: test.to_owned(),
+            db,
+            mock,
+            api,
+            api_url,
+            workers: Vec::new(),
+            key,
+            options: options.clone(),
+            next_worker: 0,
+        };
+        for _ in 0..options.workers {
+            stack.add_worker(&[])?;
+        }
+        stack.wait_ready(Duration::from_secs(20)).await?;
+        Ok(stack)
+    }
+
+    /// Starts one more worker process with the stack's worker environment plus `extra`;
+    /// returns its index in `workers`.
+    pub fn add_worker(&mut self, extra: &[(&str, &str)]) -> Result<usize> {
+        let n = self.next_worker;
+        self.next_worker += 1;
+        let mut cmd = Command::new(bin("agentloop-worker"));
+        cmd.arg("run")
+            .env("DATABASE_URL", &self.db.url)
+            .env("MODEL_BASE_URL", format!("{}/v1", self.mock.url))
+            .env("MODEL_NAME", "mock")
+            .env("WORKER_ID", format!("w{n}"))
+            .env("RUST_LOG", "info");
+        for (k, v) in &self.options.worker_env {
+            cmd.env(k, v);
+        }
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        self.workers.push(spawn_logged(&self.test, &format!("worker-{n}"), cmd)?);
+        Ok(self.workers.len() - 1)
+    }
+
+    async fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(r) = reqwest::get(format!("{}/readyz", self.api_url)).await {
+                if r.status().is_success() {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("api not ready within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// An API client authenticated with the stack's key.
+    pub fn client(&self) -> Client {
+        Client { base: self.api_url.clone(), key: Some(self.key.clone()), http: reqwest::Client::new() }
+    }
+
+    /// An API client of another principal `name`.
+    pub fn client_for(&self, name: &str) -> Result<Client> {
+        let key = create_key(&self.db.url, name)?;
+        Ok(Client { base: self.api_url.clone(), key: Some(key), http: reqwest::Client::new() })
+    }
+}
+
+fn create_key(url: &str, principal: &str) -> Result<String> {
+    let out = Command::new(bin("agentloop-worker"))
+        .args(["create-key", "--principal", principal])
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "warn")
+        .output()?;
+    if !out.status.success() {
+        bail!("create-key failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8(out.stdout)?.trim().to_owned())
+}
+
+/// A thin JSON client of the API.
+#[derive(Clone)]
+pub struct Client {
+    pub base: String,
+    pub key: Option<String>,
+    pub http: reqwest::Client,
+}
+
+/// Status and JSON body of a response.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Value,
+}
+
+impl Client {
+    /// Sends a request; `body` None means no body.
+    pub async fn send(&self, method: reqwest::Method, path: &str, body: Option<Value>, headers: &[(&str, &str)]) -> Result<Reply> {
+        let mut req = self.http.request(method, format!("{}{}", self.base, path));
+        if let Some(key) = &self.key {
+            req = req.bearer_auth(key);
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let resp = req.send().await?;
+        let status = resp.status().as_u16();
+        let text = resp.text().await?;
+        let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Ok(Reply { status, body })
+    }
+
+    pub async fn get(&self, path: &str) -> Result<Reply> {
+        self.send(reqwest::Method::GET, path, None, &[]).await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> Result<Reply> {
+        self.send(reqwest::Method::POST, path, Some(body), &[]).await
+    }
+
+    /// Creates a thread and returns its id.
+    pub async fn create_thread(&self) -> Result<String> {
+        let r = self.post("/api/threads", json!({"title": "test"})).await?;
+        anyhow::ensure!(r.status == 201, "create thread: {r:?}");
+        Ok(r.body["id"].as_str().context("thread id")?.to_owned())
+    }
+
+    /// Posts a chat message; returns the 202 body.
+    pub async fn chat(&self, thread: &str, content: &str) -> Result<Value> {
+        let r = self.post(&format!("/api/threads/{thread}/chat"), json!({"content": content})).await?;
+        anyhow::ensure!(r.status == 202, "chat: {r:?}");
+        Ok(r.body)
+    }
+
+    /// Polls `GET /api/runs/{id}` until the run is terminal; returns it.
+    pub async fn wait_terminal(&self, run: &str, timeout: Duration) -> Result<Value> {
+        self.wait_run(run, timeout, |r| matches!(r["status"].as_str(), Some("completed" | "failed" | "cancelled"))).await
+    }
+
+    /// Polls the run until `pred` holds.
+    pub async fn wait_run(&self, run: &str, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Result<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let r = self.get(&format!("/api/runs/{run}")).await?;
+            if r.status == 200 && pred(&r.body) {
+                return Ok(r.body);
+            }
+            if Instant::now() > deadline {
+                bail!("run {run} did not reach the expected state within {timeout:?}: {}", r.body);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// A chat text that makes the mock follow `steps` (see the mock-model binary's docs).
+pub fn script(steps: Value) -> String {
+    format!("scripted {} MOCK: {}", uuid::Uuid::new_v4().simple(), json!({"steps": steps}))
+}
+
+/// Signals re-exported for fault tests.
+pub use nix::sys::signal::Signal as Sig;
