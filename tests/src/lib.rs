@@ -213,6 +213,11 @@ impl MockModel {
     }
 }
 
+/// Installs rustls's ring provider once (reqwest is built without a default provider).
+pub fn install_crypto() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// A free loopback port (bound then released; fine for tests).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
@@ -250,6 +255,7 @@ pub struct Stack {
 impl Stack {
     /// Starts everything and waits until the api is ready.
     pub async fn start(test: &str, options: StackOptions) -> Result<Self> {
+        install_crypto();
         let db = TestDb::create().await?;
         let mock = MockModel::start()?;
         let key = create_key(&db.url, "tester")?;

@@ -86,7 +86,7 @@ async fn tool_loop_with_parallel_calls_keeps_order() {
     assert_eq!(msgs[5]["content"], "2.5");
     let bad = msgs[6]["content"].as_str().unwrap();
     assert!(bad.to_lowercase().contains("json"), "unparseable arguments become an error result: {bad}");
-    assert_eq!(msgs[7]["content"], "Results: 2, 2.5, ".to_owned() + bad);
+    assert_eq!(msgs[7]["content"], "Results: 42, 2, 2.5, ".to_owned() + bad);
     // Sequences are gap-free and every produced row carries run/step provenance.
     let seqs: Vec<i64> = msgs.iter().map(|m| m["sequence"].as_i64().unwrap()).collect();
     assert_eq!(seqs, (1..=8).collect::<Vec<_>>());
