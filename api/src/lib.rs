@@ -133,6 +133,7 @@ impl Application {
         } else {
             None
         };
+        agentloop_shared::tokens::warm_up().await;
         let shutdown = CancellationToken::new();
         let hub = Arc::new(hub::Hub::default());
         tokio::spawn(hub.clone().run(config.db.database_url.clone(), shutdown.clone()));

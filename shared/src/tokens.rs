@@ -27,3 +27,9 @@ pub fn estimate_message(content: &serde_json::Value, tool_calls: Option<&serde_j
     let text = crate::messages::content_text(content);
     4 + estimate_text(&text) + tool_calls.map_or(0, |t| estimate_text(&t.to_string()))
 }
+
+/// Loads the tokenizer (≈1 s in debug builds) so the first request or slice does not stall an
+/// async executor thread. Call once at start-up, off the async threads.
+pub async fn warm_up() {
+    let _ = tokio::task::spawn_blocking(|| estimate_text("warm up")).await;
+}

@@ -247,12 +247,12 @@ async fn two_workers_fifty_runs_each_claimed_once() {
 
 #[tokio::test]
 async fn sigkill_during_slow_model_call_is_recovered_by_another_worker() {
-    let lease = vec![("WORKER_LEASE_MS".into(), "2000".into()), ("WORKER_RENEW_MS".into(), "500".into())];
+    let lease = vec![("WORKER_LEASE_MS".into(), "3000".into()), ("WORKER_RENEW_MS".into(), "1000".into())];
     let mut stack = Stack::start("sigkill", StackOptions { workers: 1, worker_env: lease, ..Default::default() }).await.unwrap();
     let c = stack.client();
     let thread = c.create_thread().await.unwrap();
     // First answer is slow: the worker is killed while waiting for it.
-    let posted = c.chat(&thread, &script(json!([{"text": "survived", "delayMs": 3000}]))).await.unwrap();
+    let posted = c.chat(&thread, &script(json!([{"text": "survived", "delayMs": 4000}]))).await.unwrap();
     let run_id = posted["run"]["id"].as_str().unwrap().to_owned();
     let running = c.wait_run(&run_id, T, |r| r["status"] == "running" && r["stepsUsed"] == 0 && r["contextTokens"].is_i64()).await.unwrap();
     let first_owner = running["leaseOwner"].as_str().unwrap().to_owned();
@@ -317,4 +317,70 @@ async fn auth_scoping_and_bad_input() {
     assert_eq!(r.status, 404);
     // Nothing was half-written by the bad requests.
     assert_eq!(messages(&stack, &thread).await.len(), 0);
+}
+
+#[tokio::test]
+async fn sigterm_hands_the_run_back_and_another_worker_finishes_it() {
+    let mut stack = Stack::start("sigterm", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let posted = c
+        .chat(&thread, &script(json!([{"text": "slow one two three four five six", "chunkDelayMs": 400}])))
+        .await
+        .unwrap();
+    let run_id = posted["run"]["id"].as_str().unwrap().to_owned();
+    c.wait_run(&run_id, T, |r| r["status"] == "running").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stack.workers[0].signal(Sig::SIGTERM);
+    let requeued = c.wait_run(&run_id, Duration::from_secs(2), |r| r["status"] == "queued").await.unwrap();
+    assert_eq!(requeued["leaseOwner"], Value::Null);
+    assert!(stack.workers[0].wait_exit(Duration::from_secs(10)), "worker exits within its grace period");
+    let window = c.get(&format!("/api/threads/{thread}")).await.unwrap().body;
+    assert_eq!(window["messageCount"], 1, "the aborted stream left history untouched");
+    assert_eq!(window["streamingMessage"], Value::Null);
+    stack.add_worker(&[]).unwrap();
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed");
+    assert_eq!(run["recoveries"], 0, "handed back, not recovered by lease expiry");
+    assert_eq!(run["steps"][0]["attempt"], 2);
+    assert_eq!(messages(&stack, &thread).await.len(), 2);
+}
+
+#[tokio::test]
+async fn idempotent_chat_commands() {
+    let stack = Stack::start("idempotency", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let path = format!("/api/threads/{thread}/chat");
+    let body = json!({"content": script(json!([{"text": "once"}]))});
+    let first = c.send(reqwest::Method::POST, &path, Some(body.clone()), &[("Idempotency-Key", "k1")]).await.unwrap();
+    assert_eq!(first.status, 202);
+    let again = c.send(reqwest::Method::POST, &path, Some(body.clone()), &[("Idempotency-Key", "k1")]).await.unwrap();
+    assert_eq!(again.status, 202);
+    assert_eq!(again.body, first.body, "an identical retry returns the original response");
+    let conflict = c
+        .send(reqwest::Method::POST, &path, Some(json!({"content": "different"})), &[("Idempotency-Key", "k1")])
+        .await
+        .unwrap();
+    assert_eq!(conflict.status, 409);
+    assert_eq!(conflict.body["error"]["code"], "idempotency_conflict");
+    c.wait_terminal(first.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+
+    // 100 concurrent identical requests on a fresh thread create exactly one run.
+    let thread = c.create_thread().await.unwrap();
+    let path = format!("/api/threads/{thread}/chat");
+    let body = json!({"content": script(json!([{"text": "concurrent"}])), "commandId": "same-command"});
+    let replies = futures_util::future::join_all((0..100).map(|_| c.post(&path, body.clone()))).await;
+    let run_ids: HashSet<String> = replies
+        .into_iter()
+        .map(|r| r.unwrap())
+        .inspect(|r| assert_eq!(r.status, 202, "{r:?}"))
+        .map(|r| r.body["run"]["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(run_ids.len(), 1);
+    let db = stack.db.client().await.unwrap();
+    let thread_uuid = uuid::Uuid::parse_str(&thread).unwrap();
+    let runs: i64 = db.query_one("SELECT count(*) FROM runs WHERE thread_id = $1", &[&thread_uuid]).await.unwrap().get(0);
+    let msgs: i64 = db.query_one("SELECT count(*) FROM messages WHERE thread_id = $1 AND role = 'user'", &[&thread_uuid]).await.unwrap().get(0);
+    assert_eq!((runs, msgs), (1, 1));
 }

@@ -53,6 +53,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         max_recoveries: config.max_recoveries,
         stream_throttle: config.stream_throttle,
     });
+    agentloop_shared::tokens::warm_up().await;
     tracing::info!(worker.id = %worker_id, concurrency = config.concurrency, "worker started");
 
     let listener_stop = CancellationToken::new();

@@ -152,7 +152,7 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl) {
         keeper.abort();
         let end = match outcome {
             Ok(()) => None,
-            Err(SliceError::Aborted) => match control.reason() {
+            Err(SliceError::Aborted) => match control.reason().inspect(|reason| tracing::warn!(?reason, "slice aborted")) {
                 Some(AbortReason::Cancel) => Some(SliceEnd::Cancelled),
                 Some(AbortReason::Shutdown) => Some(SliceEnd::Interrupted),
                 Some(AbortReason::LeaseLost) | None => None,
@@ -423,6 +423,7 @@ async fn keep_lease(env: Arc<SliceEnv>, lease: Lease, control: SliceControl) {
         }
         if last_ok.elapsed() >= env.lease {
             // The process was stalled (e.g. SIGSTOP) past its lease: it may already be claimed.
+            tracing::warn!(since_ms = last_ok.elapsed().as_millis() as u64, "no lease renewal within the lease; stopping");
             control.abort(AbortReason::LeaseLost);
             return;
         }
@@ -438,6 +439,7 @@ async fn keep_lease(env: Arc<SliceEnv>, lease: Lease, control: SliceControl) {
                 }
             }
             Ok(Ok(Err(FencedError::LeaseLost(LeaseLost)))) => {
+                tracing::warn!("lease renewal matched no row: the run is no longer ours");
                 control.abort(AbortReason::LeaseLost);
                 return;
             }
@@ -449,6 +451,7 @@ async fn keep_lease(env: Arc<SliceEnv>, lease: Lease, control: SliceControl) {
                 };
                 tracing::warn!(%error, "lease renewal failed");
                 if last_ok.elapsed() >= watchdog {
+                    tracing::warn!("watchdog: no successful renewal for lease - renew; stopping");
                     control.abort(AbortReason::LeaseLost);
                     return;
                 }
