@@ -51,7 +51,7 @@ impl Hub {
 
     /// Runs the listener loop until `shutdown` fires.
     pub async fn run(self: std::sync::Arc<Self>, database_url: String, shutdown: CancellationToken) {
-        let mut rx = listener::spawn(database_url, vec![THREADS_CHANNEL], Duration::from_secs(5), shutdown.clone());
+        let mut rx = listener::spawn(database_url, "agentloop-api-listener", vec![THREADS_CHANNEL], Duration::from_secs(5), shutdown.clone());
         while let Some(event) = rx.recv().await {
             match event {
                 ListenerEvent::Notification { payload, .. } => {

@@ -58,7 +58,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
 
     let listener_stop = CancellationToken::new();
     let mut notifications =
-        listener::spawn(config.db.database_url.clone(), vec![RUNS_CHANNEL], Duration::from_secs(5), listener_stop.clone());
+        listener::spawn(config.db.database_url.clone(), "agentloop-worker-listener", vec![RUNS_CHANNEL], Duration::from_secs(5), listener_stop.clone());
     let in_flight: Arc<Mutex<HashMap<Uuid, SliceControl>>> = Arc::default();
     let mut slices = JoinSet::new();
     let slots = config.concurrency as usize;

@@ -30,21 +30,24 @@ pub enum ListenerEvent {
 const CONSUMER_CAPACITY: usize = 4096;
 
 /// Spawns the listener task for `channels` on `database_url`; it runs until `shutdown` fires.
-/// The first event after every (re)connect is `Resync`.
+/// The first event after every (re)connect is `Resync`. The connection reports
+/// `application_name` (visible in `pg_stat_activity`, e.g. `agentloop-worker-listener`).
 pub fn spawn(
     database_url: String,
+    application_name: &str,
     channels: Vec<&'static str>,
     probe_interval: Duration,
     shutdown: CancellationToken,
 ) -> mpsc::Receiver<ListenerEvent> {
     let (tx, rx) = mpsc::channel(CONSUMER_CAPACITY);
+    let application_name = application_name.replace('\'', "");
     tokio::spawn(async move {
         let mut backoff = Duration::from_millis(100);
         loop {
             if shutdown.is_cancelled() {
                 return;
             }
-            match session(&database_url, &channels, probe_interval, &tx, &shutdown).await {
+            match session(&database_url, &application_name, &channels, probe_interval, &tx, &shutdown).await {
                 Ok(()) => return,
                 Err(error) => {
                     tracing::warn!(%error, backoff_ms = backoff.as_millis() as u64, "listener connection lost; reconnecting");
@@ -63,6 +66,7 @@ pub fn spawn(
 /// One connection's lifetime. `Ok` only on shutdown or when the consumer is gone.
 async fn session(
     database_url: &str,
+    application_name: &str,
     channels: &[&'static str],
     probe_interval: Duration,
     tx: &mpsc::Sender<ListenerEvent>,
@@ -84,7 +88,9 @@ async fn session(
         }
     });
     let result = async {
-        let listen: String = channels.iter().map(|c| format!("LISTEN {c};")).collect();
+        let listen: String = std::iter::once(format!("SET application_name = '{application_name}';"))
+            .chain(channels.iter().map(|c| format!("LISTEN {c};")))
+            .collect();
         client.batch_execute(&listen).await?;
         tracing::info!(channels = ?channels, "listening");
         let mut overflowed = true; // the first event after LISTEN is a Resync
