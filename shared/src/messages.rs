@@ -278,3 +278,52 @@ pub async fn preview(conn: &mut AsyncPgConnection, thread_id: Uuid, max_chars: i
     .optional()?;
     Ok(row.map(|r| serde_json::json!({"role": r.role, "text": r.text, "sequence": r.sequence})))
 }
+
+/// Content of the synthetic result given to a tool call that never got one (SPEC §4
+/// "interrupt", seed 000 "Provider compatibility": every tool call must be answered).
+pub const CANCELLED_TOOL_RESULT: &str = "[cancelled: the run ended before this tool call produced a result]";
+
+/// Appends a synthetic cancelled result for every tool call of `run_id`'s last assistant
+/// tool-call message that has no result yet, so the history stays valid for every provider.
+/// Call in the transaction that ends the run. Returns how many results were appended.
+pub async fn close_dangling_tool_calls(conn: &mut AsyncPgConnection, thread_id: Uuid, run_id: Uuid) -> QueryResult<usize> {
+    let last_call: Option<Message> = messages::table
+        .filter(messages::run_id.eq(run_id))
+        .filter(messages::active.eq(true))
+        .filter(messages::role.eq(role::ASSISTANT))
+        .filter(messages::tool_calls.is_not_null())
+        .order(messages::sequence.desc())
+        .select(Message::as_select())
+        .first(conn)
+        .await
+        .optional()?;
+    let Some(call) = last_call else { return Ok(0) };
+    let answered: Vec<Option<String>> = messages::table
+        .filter(messages::thread_id.eq(thread_id))
+        .filter(messages::active.eq(true))
+        .filter(messages::sequence.gt(call.sequence))
+        .filter(messages::role.eq(role::TOOL))
+        .select(messages::tool_call_id)
+        .load(conn)
+        .await?;
+    let missing: Vec<NewMessage> = call
+        .tool_calls
+        .as_ref()
+        .and_then(|c| c.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.get("id").and_then(|id| id.as_str()))
+        .filter(|id| !answered.iter().flatten().any(|a| a == id))
+        .map(|id| {
+            let mut m = NewMessage::text(role::TOOL, CANCELLED_TOOL_RESULT);
+            m.tool_call_id = Some(id.to_owned());
+            m
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(0);
+    }
+    let identities = vec![None; missing.len()];
+    let provenance = Provenance { run_id: Some(run_id), step_id: call.step_id };
+    Ok(append(conn, thread_id, provenance, &missing, &identities).await?.len())
+}

@@ -64,6 +64,9 @@ pub struct Run {
     pub started_at: Option<DateTime<Utc>>,
     pub finished_at: Option<DateTime<Utc>>,
     pub updated_at: DateTime<Utc>,
+    /// The user turn of a `pending` run, `{content, tokenEstimate}`, appended to history when
+    /// the run is promoted.
+    pub input: Option<serde_json::Value>,
 }
 
 impl Run {
@@ -126,6 +129,8 @@ pub struct NewRun {
     pub command_id: Option<String>,
     /// `queued` (claimable now) or `pending` (behind the thread's FIFO head).
     pub status: &'static str,
+    /// For a `pending` run: its user turn, appended when it is promoted.
+    pub input: Option<serde_json::Value>,
 }
 
 /// Inserts a run, journals a `run` event and, when it is `queued`, notifies the scheduler (on
@@ -142,6 +147,7 @@ pub async fn insert(conn: &mut AsyncPgConnection, new: NewRun) -> QueryResult<Ru
             runs::max_steps.eq(new.max_steps),
             runs::command_id.eq(new.command_id),
             runs::queued_at.eq(queued.then(Utc::now)),
+            runs::input.eq(new.input),
         ))
         .returning(Run::as_returning())
         .get_result(conn)
@@ -209,8 +215,9 @@ pub async fn steps(conn: &mut AsyncPgConnection, run_id: Uuid) -> QueryResult<Ve
         .await
 }
 
-/// Promotes the thread's oldest `pending` run to `queued` (FIFO, SPEC §4) and notifies the
-/// scheduler. Call in the transaction that ends the thread's active run. Returns the promoted run.
+/// Promotes the thread's oldest `pending` run to `queued` (FIFO, SPEC §4), appends its user
+/// turn to history and notifies the scheduler. Call in the transaction that ends the thread's
+/// active run. Returns the promoted run.
 pub async fn promote_next_pending(conn: &mut AsyncPgConnection, thread_id: Uuid) -> QueryResult<Option<Run>> {
     let next: Option<Uuid> = runs::table
         .filter(runs::thread_id.eq(thread_id))
@@ -231,6 +238,18 @@ pub async fn promote_next_pending(conn: &mut AsyncPgConnection, thread_id: Uuid)
         .returning(Run::as_returning())
         .get_result(conn)
         .await?;
+    if let Some(input) = &run.input {
+        let message = crate::messages::NewMessage {
+            role: crate::messages::role::USER.into(),
+            content: input.get("content").cloned().unwrap_or_default(),
+            tool_calls: None,
+            tool_call_id: None,
+            reasoning: None,
+            token_estimate: input.get("tokenEstimate").and_then(|t| t.as_i64()).unwrap_or(0) as i32,
+        };
+        let provenance = crate::messages::Provenance { run_id: Some(run.id), step_id: None };
+        crate::messages::append(conn, thread_id, provenance, &[message], &[None]).await?;
+    }
     journal(conn, &run).await?;
     events::notify_runs(conn, "queued", run.id).await?;
     Ok(Some(run))
@@ -262,6 +281,7 @@ pub async fn request_cancel(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResu
                 .returning(Run::as_returning())
                 .get_result(conn)
                 .await?;
+            crate::messages::close_dangling_tool_calls(conn, run.thread_id, run.id).await?;
             journal(conn, &run).await?;
             if was_active {
                 promote_next_pending(conn, run.thread_id).await?;

@@ -89,6 +89,7 @@ diesel::table! {
         started_at -> Nullable<Timestamptz>,
         finished_at -> Nullable<Timestamptz>,
         updated_at -> Timestamptz,
+        input -> Nullable<Jsonb>,
     }
 }
 

@@ -223,6 +223,9 @@ pub async fn end_slice(
         .get_result(conn)
         .await?;
     threads::set_streaming(conn, lease.thread_id, None).await?;
+    if terminal {
+        crate::messages::close_dangling_tool_calls(conn, lease.thread_id, lease.run_id).await?;
+    }
     crate::runs::journal(conn, &run).await?;
     if terminal {
         crate::runs::promote_next_pending(conn, lease.thread_id).await?;

@@ -26,8 +26,9 @@ pub struct PostChat {
     pub content: Value,
     #[serde(default)]
     pub command_id: Option<String>,
-    /// `reject` (409 `run_active` while a run is active; the default) or `enqueue` (durable
-    /// FIFO). Overrides the thread's `metadata.multitask`.
+    /// `reject` (409 `run_active` while a run is active; the default), `enqueue` (durable
+    /// FIFO: the new run waits as `pending`) or `interrupt` (cancel the active run; the new run
+    /// starts when it has ended). Overrides the thread's `metadata.multitask`.
     #[serde(default)]
     pub multitask: Option<String>,
     #[serde(default)]
@@ -40,13 +41,18 @@ pub struct PostChat {
 enum Multitask {
     Reject,
     Enqueue,
+    Interrupt,
 }
 
 fn parse_multitask(value: &str) -> Result<Multitask, ApiError> {
     match value {
         "reject" => Ok(Multitask::Reject),
         "enqueue" => Ok(Multitask::Enqueue),
-        other => Err(ApiError::bad_request("invalid_multitask", format!("multitask must be reject or enqueue, not '{other}'"))),
+        "interrupt" => Ok(Multitask::Interrupt),
+        other => Err(ApiError::bad_request(
+            "invalid_multitask",
+            format!("multitask must be reject, enqueue or interrupt, not '{other}'"),
+        )),
     }
 }
 
@@ -69,7 +75,9 @@ fn validate_content(content: &Value) -> Result<(), ApiError> {
 }
 
 /// Persists the user turn and enqueues a run in ONE transaction (message, run, journal events,
-/// `pg_notify`), then answers 202 `{run, message}` at once.
+/// `pg_notify`), then answers 202 `{run, message}` at once. For a `pending` run (behind the
+/// thread's active run) `message` is null and the turn is kept as `run.input` until the run is
+/// promoted, so the transcript stays in conversation order.
 ///
 /// Errors: 404 (not the caller's thread), 400 (`invalid_content`, `invalid_multitask`,
 /// `invalid_max_steps`, `unknown_model`, `no_model`), 409 `run_active` (policy `reject`),
@@ -136,7 +144,12 @@ pub async fn post_chat(
                 .or_else(|| thread.model.clone())
                 .or(default_model.clone())
                 .ok_or_else(|| ApiError::bad_request("no_model", "no model is configured on this server"))?;
-            let run_status = match runs::active_for_thread(conn, thread.id).await? {
+            let mut active = runs::active_for_thread(conn, thread.id).await?;
+            if let (Some(run), Multitask::Interrupt) = (&active, policy) {
+                runs::request_cancel(conn, run.id).await?;
+                active = runs::active_for_thread(conn, thread.id).await?;
+            }
+            let run_status = match active {
                 None => status::QUEUED,
                 Some(active) if active.status == status::WAITING_APPROVAL => {
                     return Err(ApiError::conflict(
@@ -153,16 +166,25 @@ pub async fn post_chat(
                 Some(_) => status::PENDING,
             };
             let text = messages::content_text(&body.content);
-            let message = NewMessage {
-                role: role::USER.into(),
-                content: body.content.clone(),
-                tool_calls: None,
-                tool_call_id: None,
-                reasoning: None,
-                token_estimate: (4 + tokens::estimate_text(&text)) as i32,
+            let token_estimate = (4 + tokens::estimate_text(&text)) as i32;
+            // A queued run's turn enters history now; a pending run's turn waits on the run row
+            // and enters history when the run is promoted (after the runs ahead of it).
+            let (message, input) = if run_status == status::QUEUED {
+                let message = NewMessage {
+                    role: role::USER.into(),
+                    content: body.content.clone(),
+                    tool_calls: None,
+                    tool_call_id: None,
+                    reasoning: None,
+                    token_estimate,
+                };
+                let mut appended = messages::append(conn, thread.id, Provenance::default(), &[message], &[None]).await?;
+                let (_, message) =
+                    appended.pop().ok_or_else(|| ApiError::Internal(anyhow::anyhow!("user message not appended")))?;
+                (serde_json::to_value(message).unwrap_or_default(), None)
+            } else {
+                (Value::Null, Some(json!({"content": body.content, "tokenEstimate": token_estimate})))
             };
-            let mut appended = messages::append(conn, thread.id, Provenance::default(), &[message], &[None]).await?;
-            let (_, message) = appended.pop().ok_or_else(|| ApiError::Internal(anyhow::anyhow!("user message not appended")))?;
             let run = runs::insert(
                 conn,
                 NewRun {
@@ -172,6 +194,7 @@ pub async fn post_chat(
                     max_steps,
                     command_id: command_id.clone(),
                     status: run_status,
+                    input,
                 },
             )
             .await?;

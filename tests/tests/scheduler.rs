@@ -1,0 +1,227 @@
+//! Durable scheduler under faults (issue 3): FIFO turns, cancellation, interrupt, pauses past
+//! the lease, lost listener connections. Real processes, real signals, real PostgreSQL.
+
+use std::time::{Duration, Instant};
+
+use agentloop_tests::{Sig, Stack, StackOptions, script};
+use eventsource_stream::Eventsource;
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+
+const T: Duration = Duration::from_secs(30);
+
+fn ts(v: &Value) -> chrono::DateTime<chrono::Utc> {
+    v.as_str().unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn enqueue_runs_in_fifo_order_and_threads_run_concurrently() {
+    let stack = Stack::start("fifo", StackOptions { worker_env: vec![("WORKER_CONCURRENCY".into(), "4".into())], ..Default::default() })
+        .await
+        .unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let mut runs = Vec::new();
+    for i in 0..4 {
+        let body = json!({"content": script(json!([{"text": format!("answer {i}"), "delayMs": 300}])), "multitask": "enqueue"});
+        let r = c.post(&format!("/api/threads/{thread}/chat"), body).await.unwrap();
+        assert_eq!(r.status, 202, "{r:?}");
+        assert_eq!(r.body["run"]["status"], if i == 0 { "queued" } else { "pending" });
+        runs.push(r.body["run"]["id"].as_str().unwrap().to_owned());
+    }
+    // Another thread is not held up by the first one's queue.
+    let other = c.create_thread().await.unwrap();
+    let other_run = c.chat(&other, &script(json!([{"text": "independent", "delayMs": 300}]))).await.unwrap();
+    let other_run = c.wait_terminal(other_run["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    let mut finished = Vec::new();
+    for run in &runs {
+        let run = c.wait_terminal(run, T).await.unwrap();
+        assert_eq!(run["status"], "completed", "{run}");
+        finished.push((ts(&run["startedAt"]), ts(&run["finishedAt"])));
+    }
+    for w in finished.windows(2) {
+        assert!(w[1].0 >= w[0].1, "run started before the previous one finished: {finished:?}");
+    }
+    assert!(ts(&other_run["finishedAt"]) < finished[3].0, "the other thread ran concurrently");
+    let window = c.get(&format!("/api/threads/{thread}")).await.unwrap().body;
+    let texts: Vec<String> = window["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "assistant")
+        .map(|m| m["content"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(texts, ["answer 0", "answer 1", "answer 2", "answer 3"]);
+}
+
+#[tokio::test]
+async fn cancel_queued_and_running_runs() {
+    let mut stack = Stack::start("cancel", StackOptions { workers: 0, ..Default::default() }).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    // Queued (no worker yet): cancelled at once.
+    let queued = c.chat(&thread, "never runs").await.unwrap();
+    let id = queued["run"]["id"].as_str().unwrap();
+    let r = c.post(&format!("/api/runs/{id}/cancel"), json!({})).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body["status"], "cancelled");
+    let again = c.post(&format!("/api/runs/{id}/cancel"), json!({})).await.unwrap();
+    assert_eq!((again.status, &again.body["status"]), (200, &json!("cancelled")), "repeated cancel is idempotent");
+
+    // Running: the owning worker aborts the model stream at once.
+    stack.add_worker(&[]).unwrap();
+    let running = c.chat(&thread, &script(json!([{"text": "too slow", "delayMs": 20000}]))).await.unwrap();
+    let id = running["run"]["id"].as_str().unwrap();
+    c.wait_run(id, T, |r| r["status"] == "running" && r["contextTokens"].is_i64()).await.unwrap();
+    let asked = Instant::now();
+    let r = c.post(&format!("/api/threads/{thread}/cancel"), json!({})).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    let run = c.wait_terminal(id, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(run["status"], "cancelled");
+    assert!(asked.elapsed() < Duration::from_secs(3), "cancel took {:?}", asked.elapsed());
+    assert_eq!(run["steps"][0]["status"], "cancelled");
+    let window = c.get(&format!("/api/threads/{thread}")).await.unwrap().body;
+    assert_eq!(window["messageCount"], 2, "only the two user messages");
+    assert_eq!(window["streamingMessage"], Value::Null);
+    // The thread is usable again.
+    let next = c.chat(&thread, &script(json!([{"text": "after cancel"}]))).await.unwrap();
+    assert_eq!(c.wait_terminal(next["run"]["id"].as_str().unwrap(), T).await.unwrap()["status"], "completed");
+}
+
+#[tokio::test]
+async fn interrupt_cancels_the_active_run_and_starts_the_new_one() {
+    let stack = Stack::start("interrupt", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "sleep", "arguments": {"seconds": 20}}]}, {"text": "slept"}]);
+    let first = c.chat(&thread, &script(steps)).await.unwrap();
+    let first_id = first["run"]["id"].as_str().unwrap();
+    c.wait_run(first_id, T, |r| r["status"] == "running" && r["contextTokens"].is_i64()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // inside the sleep tool
+    let body = json!({"content": script(json!([{"text": "interrupting answer"}])), "multitask": "interrupt"});
+    let second = c.post(&format!("/api/threads/{thread}/chat"), body).await.unwrap();
+    assert_eq!(second.status, 202, "{second:?}");
+    assert_eq!(second.body["run"]["status"], "pending");
+    let first = c.wait_terminal(first_id, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(first["status"], "cancelled");
+    let second = c.wait_terminal(second.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(second["status"], "completed");
+    // The history is valid for every provider: each tool call is followed by its result.
+    let msgs = c.get(&format!("/api/threads/{thread}")).await.unwrap().body["messages"].as_array().unwrap().clone();
+    for (i, m) in msgs.iter().enumerate() {
+        if let Some(calls) = m["toolCalls"].as_array() {
+            for (j, call) in calls.iter().enumerate() {
+                assert_eq!(msgs[i + 1 + j]["toolCallId"], call["id"], "{msgs:?}");
+            }
+        }
+    }
+    assert_eq!(msgs.last().unwrap()["content"], "interrupting answer");
+}
+
+#[tokio::test]
+async fn a_worker_paused_past_its_lease_writes_nothing_after_resuming() {
+    let lease = vec![("WORKER_LEASE_MS".into(), "3000".into()), ("WORKER_RENEW_MS".into(), "1000".into())];
+    let mut stack = Stack::start("sigstop", StackOptions { workers: 1, worker_env: lease, ..Default::default() }).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    // The stream starts at once and keeps going for ~6 s, so the paused worker resumes mid-stream.
+    let words: Vec<String> = (0..60).map(|i| format!("w{i}")).collect();
+    let posted = c.chat(&thread, &script(json!([{"text": words.join(" "), "chunkDelayMs": 300}]))).await.unwrap();
+    let run_id = posted["run"]["id"].as_str().unwrap().to_owned();
+    let running = c.wait_run(&run_id, T, |r| r["status"] == "running" && r["contextTokens"].is_i64()).await.unwrap();
+    let paused_owner = running["leaseOwner"].as_str().unwrap().to_owned();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    stack.workers[0].signal(Sig::SIGSTOP);
+    stack.add_worker(&[]).unwrap();
+    let done = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(done["status"], "completed");
+    assert_eq!(done["recoveries"], 1);
+    let db = stack.db.client().await.unwrap();
+    let before = snapshot(&db).await;
+    stack.workers[0].signal(Sig::SIGCONT);
+    tokio::time::sleep(Duration::from_millis(2500)).await; // > 2 renew periods
+    let after = snapshot(&db).await;
+    assert_eq!(before, after, "the resumed worker changed a row or a column");
+    let stale: i64 = db
+        .query_one("SELECT count(*) FROM run_steps WHERE worker_id = $1", &[&paused_owner])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stale, 0, "the step belongs to the worker that finished the run");
+    assert_eq!(before.2, 2, "user message + one answer");
+}
+
+/// Every row the slice could touch, as text.
+async fn snapshot(db: &tokio_postgres::Client) -> (String, String, i64, String, i64) {
+    let run = db.query_one("SELECT row_to_json(r)::text FROM runs r", &[]).await.unwrap().get::<_, String>(0);
+    let thread = db.query_one("SELECT row_to_json(t)::text FROM threads t", &[]).await.unwrap().get::<_, String>(0);
+    let msgs: i64 = db.query_one("SELECT count(*) FROM messages", &[]).await.unwrap().get(0);
+    let steps = db.query_one("SELECT json_agg(s)::text FROM run_steps s", &[]).await.unwrap().get::<_, String>(0);
+    let events: i64 = db.query_one("SELECT count(*) FROM thread_events", &[]).await.unwrap().get(0);
+    (run, thread, msgs, steps, events)
+}
+
+async fn listener_pid(db: &tokio_postgres::Client, app: &str) -> Option<i32> {
+    db.query_opt("SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND datname = current_database()", &[&app])
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+async fn wait_listener(db: &tokio_postgres::Client, app: &str, not: Option<i32>) -> i32 {
+    let deadline = Instant::now() + T;
+    loop {
+        if let Some(pid) = listener_pid(db, app).await.filter(|p| Some(*p) != not) {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "no {app} connection");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn terminated_listeners_reconnect_and_nothing_is_lost() {
+    let stack = Stack::start("listener", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let db = stack.db.client().await.unwrap();
+    let thread = c.create_thread().await.unwrap();
+
+    // Worker listener: the next enqueue still starts within 1 s.
+    let pid = wait_listener(&db, "agentloop-worker-listener", None).await;
+    db.execute("SELECT pg_terminate_backend($1)", &[&pid]).await.unwrap();
+    wait_listener(&db, "agentloop-worker-listener", Some(pid)).await;
+    let posted = c.chat(&thread, &script(json!([{"text": "woke up"}]))).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    let latency = ts(&run["startedAt"]) - ts(&run["createdAt"]);
+    assert!(latency < chrono::Duration::seconds(1), "enqueue to start took {latency}");
+
+    // Api listener: an SSE client misses no event across the reconnect.
+    let resp = reqwest::Client::new()
+        .get(format!("{}/api/threads/{thread}/updates/stream", stack.api_url))
+        .bearer_auth(&stack.key)
+        .send()
+        .await
+        .unwrap();
+    let mut events = resp.bytes_stream().eventsource();
+    let connected = events.next().await.unwrap().unwrap();
+    assert_eq!(connected.event, "connected");
+    let start: i64 = serde_json::from_str::<Value>(&connected.data).unwrap()["sequence"].as_i64().unwrap();
+    let pid = wait_listener(&db, "agentloop-api-listener", None).await;
+    db.execute("SELECT pg_terminate_backend($1)", &[&pid]).await.unwrap();
+    let posted = c.chat(&thread, &script(json!([{"text": "after the api listener died"}]))).await.unwrap();
+    let run_id = posted["run"]["id"].as_str().unwrap().to_owned();
+    let mut ids = Vec::new();
+    loop {
+        let ev = tokio::time::timeout(T, events.next()).await.expect("SSE stalled").unwrap().unwrap();
+        if let Ok(id) = ev.id.parse::<i64>() {
+            ids.push(id);
+        }
+        let data: Value = serde_json::from_str(&ev.data).unwrap();
+        if ev.event == "run" && data["id"] == run_id.as_str() && data["status"] == "completed" {
+            break;
+        }
+    }
+    let expected: Vec<i64> = (start + 1..=*ids.last().unwrap()).collect();
+    assert_eq!(ids, expected, "no event lost or duplicated");
+    wait_listener(&db, "agentloop-api-listener", Some(pid)).await;
+}
