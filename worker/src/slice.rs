@@ -231,7 +231,7 @@ async fn body(
         let tokens = context::estimate_tokens(&context, &tool_specs);
         let limit = model.context_tokens.map(|t| t as i32);
         fenced!(env.pool, lease, |conn| {
-            lease::record_context(conn, lease, tokens as i32, limit).await?;
+            lease::record_context(conn, lease, step.id, tokens as i32, limit).await?;
             Ok(())
         })?;
 

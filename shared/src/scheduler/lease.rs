@@ -216,7 +216,9 @@ pub async fn end_slice(
             runs::error_code.eq(error.map(|e| e.0)),
             runs::error_message.eq(error.map(|e| e.1)),
             runs::finished_at.eq(terminal.then(Utc::now)),
-            runs::queued_at.eq((!terminal).then(Utc::now)),
+            runs::queued_at.eq(diesel::dsl::sql::<diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>>(
+                if terminal { "queued_at" } else { "now()" },
+            )),
             runs::updated_at.eq(diesel::dsl::now),
         ))
         .returning(Run::as_returning())
@@ -235,14 +237,19 @@ pub async fn end_slice(
     Ok(run)
 }
 
-/// Records the measured context size on the run and its thread (SPEC §6 step 2). Fenced by the
-/// caller.
+/// Records the measured context size (tokens) on the step, the run and its thread (SPEC §6
+/// step 2). Fenced by the caller.
 pub async fn record_context(
     conn: &mut AsyncPgConnection,
     lease: &Lease,
+    step_id: i64,
     context_tokens: i32,
     context_limit: Option<i32>,
 ) -> diesel::QueryResult<()> {
+    diesel::update(run_steps::table.find(step_id))
+        .set(run_steps::context_tokens.eq(context_tokens))
+        .execute(conn)
+        .await?;
     diesel::update(runs::table.find(lease.run_id))
         .set((runs::context_tokens.eq(context_tokens), runs::context_limit.eq(context_limit)))
         .execute(conn)
