@@ -96,6 +96,7 @@ impl Transport {
 /// Shared state of every handler.
 pub struct AppState {
     pub pool: PgPool,
+    pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     pub catalog: ModelCatalog,
     pub hub: Arc<hub::Hub>,
     pub loopback_principal: Option<Principal>,
@@ -139,6 +140,7 @@ impl Application {
         tokio::spawn(hub.clone().run(config.db.database_url.clone(), shutdown.clone()));
         let state = web::Data::new(AppState {
             pool,
+            metrics: agentloop_shared::telemetry::metrics::install(),
             catalog,
             hub,
             loopback_principal,

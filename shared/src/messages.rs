@@ -327,3 +327,102 @@ pub async fn close_dangling_tool_calls(conn: &mut AsyncPgConnection, thread_id: 
     let provenance = Provenance { run_id: Some(run_id), step_id: call.step_id };
     Ok(append(conn, thread_id, provenance, &missing, &identities).await?.len())
 }
+
+/// What paging needs to know about an active message without reading its body: the cursor,
+/// the role, the stored byte size and whether it carries tool calls (SPEC §10).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MessageMeta {
+    pub sequence: i64,
+    pub role: String,
+    pub byte_size: i32,
+    pub has_tool_calls: bool,
+}
+
+impl MessageMeta {
+    /// A tool result (belongs to the assistant tool-call message before it).
+    pub fn is_tool_result(&self) -> bool {
+        self.role == role::TOOL
+    }
+
+    /// An assistant message that starts a tool group.
+    pub fn starts_tool_group(&self) -> bool {
+        self.role == role::ASSISTANT && self.has_tool_calls
+    }
+}
+
+/// Metadata of at most `limit` active messages of `thread_id` strictly between `after` and
+/// `before` (each optional), nearest to `before` first when `newest_first`, else nearest to
+/// `after` first. One range scan on `messages_active_by_sequence (thread_id, sequence) WHERE
+/// active` (the `active` predicate is a literal so even a generic plan matches the partial
+/// index); bodies are never read (`tool_calls IS NOT NULL` does not detoast).
+pub async fn active_meta_between(
+    conn: &mut AsyncPgConnection,
+    thread_id: Uuid,
+    after: Option<i64>,
+    before: Option<i64>,
+    newest_first: bool,
+    limit: i64,
+) -> QueryResult<Vec<MessageMeta>> {
+    let mut query = messages::table
+        .filter(messages::thread_id.eq(thread_id))
+        .filter(messages::active)
+        .select((messages::sequence, messages::role, messages::byte_size, messages::tool_calls.is_not_null()))
+        .into_boxed();
+    if let Some(after) = after {
+        query = query.filter(messages::sequence.gt(after));
+    }
+    if let Some(before) = before {
+        query = query.filter(messages::sequence.lt(before));
+    }
+    query = if newest_first { query.order(messages::sequence.desc()) } else { query.order(messages::sequence.asc()) };
+    let rows: Vec<(i64, String, i32, bool)> = query.limit(limit).load(conn).await?;
+    Ok(rows
+        .into_iter()
+        .map(|(sequence, role, byte_size, has_tool_calls)| MessageMeta { sequence, role, byte_size, has_tool_calls })
+        .collect())
+}
+
+/// Active messages of `thread_id` with `first <= sequence <= last`, in sequence order. One
+/// range scan on `messages_active_by_sequence`; the caller bounds the range.
+pub async fn active_in_range(conn: &mut AsyncPgConnection, thread_id: Uuid, first: i64, last: i64) -> QueryResult<Vec<Message>> {
+    messages::table
+        .filter(messages::thread_id.eq(thread_id))
+        .filter(messages::active)
+        .filter(messages::sequence.between(first, last))
+        .order(messages::sequence.asc())
+        .select(Message::as_select())
+        .load(conn)
+        .await
+}
+
+/// Whether active messages of `thread_id` exist below `first` (and above `floor`, when given)
+/// and above `last` (and below `ceiling`, when given): `(more_before, more_after)`. Two index
+/// probes in one statement.
+pub async fn active_exists_around(
+    conn: &mut AsyncPgConnection,
+    thread_id: Uuid,
+    first: i64,
+    last: i64,
+    floor: Option<i64>,
+    ceiling: Option<i64>,
+) -> QueryResult<(bool, bool)> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        before: bool,
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        after: bool,
+    }
+    let row: Row = diesel::sql_query(
+        "SELECT EXISTS (SELECT 1 FROM messages WHERE thread_id = $1 AND active AND sequence < $2 AND sequence > $3) AS before,
+                EXISTS (SELECT 1 FROM messages WHERE thread_id = $1 AND active AND sequence > $4 AND sequence < $5) AS after",
+    )
+    .bind::<diesel::sql_types::Uuid, _>(thread_id)
+    .bind::<diesel::sql_types::BigInt, _>(first)
+    .bind::<diesel::sql_types::BigInt, _>(floor.unwrap_or(i64::MIN))
+    .bind::<diesel::sql_types::BigInt, _>(last)
+    .bind::<diesel::sql_types::BigInt, _>(ceiling.unwrap_or(i64::MAX))
+    .get_result(conn)
+    .await?;
+    Ok((row.before, row.after))
+}

@@ -24,8 +24,8 @@ pub fn admin_url() -> String {
     std::env::var("TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
-fn url_for(db: &str) -> String {
-    let admin = admin_url();
+fn url_on(admin: &str, db: &str) -> String {
+    let admin = admin.to_owned();
     let (base, _) = admin.rsplit_once('/').expect("TEST_DATABASE_URL has a database path");
     let query = admin.split_once('?').map(|(_, q)| format!("?{q}")).unwrap_or_default();
     format!("{base}/{db}{query}")
@@ -58,6 +58,7 @@ fn log_dir(test: &str) -> PathBuf {
 pub struct TestDb {
     pub name: String,
     pub url: String,
+    admin: String,
 }
 
 const TEMPLATE: &str = "agentloop_test_template";
@@ -66,7 +67,13 @@ impl TestDb {
     /// Creates `t_<uuid>` from the migrated template (creating the template first if needed,
     /// under an advisory lock so parallel test processes build it once).
     pub async fn create() -> Result<Self> {
-        let (admin, conn) = tokio_postgres::connect(&admin_url(), NoTls).await.context("connecting to TEST_DATABASE_URL")?;
+        Self::create_on(&admin_url()).await
+    }
+
+    /// Like [`TestDb::create`] on the server of `admin_url` (e.g. a [`PgCluster`]).
+    pub async fn create_on(admin_url: &str) -> Result<Self> {
+        let admin_url = admin_url.to_owned();
+        let (admin, conn) = tokio_postgres::connect(&admin_url, NoTls).await.context("connecting to TEST_DATABASE_URL")?;
         tokio::spawn(conn);
         admin.execute("SELECT pg_advisory_lock(727272)", &[]).await?;
         let fingerprint = migrations_fingerprint();
@@ -82,7 +89,7 @@ impl TestDb {
             admin.batch_execute(&format!("CREATE DATABASE {TEMPLATE}")).await?;
             let status = Command::new(bin("agentloop-worker"))
                 .arg("migrate")
-                .env("DATABASE_URL", url_for(TEMPLATE))
+                .env("DATABASE_URL", url_on(&admin_url, TEMPLATE))
                 .env("RUST_LOG", "warn")
                 .status()?;
             if !status.success() {
@@ -94,7 +101,7 @@ impl TestDb {
         let created = admin.batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {TEMPLATE}")).await;
         admin.execute("SELECT pg_advisory_unlock(727272)", &[]).await?;
         created?;
-        Ok(Self { url: url_for(&name), name })
+        Ok(Self { url: url_on(&admin_url, &name), name, admin: admin_url })
     }
 
     /// A plain client for assertions on rows.
@@ -126,11 +133,11 @@ fn md5_like(bytes: &[u8]) -> u64 {
 
 impl Drop for TestDb {
     fn drop(&mut self) {
-        let name = self.name.clone();
+        let (name, admin_url) = (self.name.clone(), self.admin.clone());
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
             rt.block_on(async move {
-                if let Ok((admin, conn)) = tokio_postgres::connect(&admin_url(), NoTls).await {
+                if let Ok((admin, conn)) = tokio_postgres::connect(&admin_url, NoTls).await {
                     tokio::spawn(conn);
                     let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await;
                 }
@@ -227,6 +234,8 @@ pub fn free_port() -> u16 {
 #[derive(Clone)]
 pub struct StackOptions {
     pub workers: usize,
+    /// Admin URL of the server to create the test database on (default `TEST_DATABASE_URL`).
+    pub server: Option<String>,
     /// Extra environment for every worker (e.g. `WORKER_LEASE_MS`).
     pub worker_env: Vec<(String, String)>,
     /// Extra environment for the api.
@@ -235,7 +244,7 @@ pub struct StackOptions {
 
 impl Default for StackOptions {
     fn default() -> Self {
-        Self { workers: 1, worker_env: Vec::new(), api_env: Vec::new() }
+        Self { workers: 1, server: None, worker_env: Vec::new(), api_env: Vec::new() }
     }
 }
 
@@ -256,7 +265,7 @@ impl Stack {
     /// Starts everything and waits until the api is ready.
     pub async fn start(test: &str, options: StackOptions) -> Result<Self> {
         install_crypto();
-        let db = TestDb::create().await?;
+        let db = TestDb::create_on(&options.server.clone().unwrap_or_else(admin_url)).await?;
         let mock = MockModel::start()?;
         let key = create_key(&db.url, "tester")?;
         let port = free_port();
@@ -434,6 +443,87 @@ impl Client {
 /// A chat text that makes the mock follow `steps` (see the mock-model binary's docs).
 pub fn script(steps: Value) -> String {
     format!("scripted {} MOCK: {}", uuid::Uuid::new_v4().simple(), json!({"steps": steps}))
+}
+
+/// A private PostgreSQL cluster (initdb + pg_ctl from the system's binaries) for tests that
+/// restart the server; stopped and removed on drop. Runs as the `postgres` user when root.
+pub struct PgCluster {
+    dir: PathBuf,
+    bindir: PathBuf,
+    pub port: u16,
+}
+
+impl PgCluster {
+    /// Initialises and starts a trust-auth cluster on a free loopback port (`fsync=off`).
+    pub fn start() -> Result<Self> {
+        let mut bindirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+            .context("no /usr/lib/postgresql: install Debian's postgresql package")?
+            .flatten()
+            .map(|e| e.path().join("bin"))
+            .filter(|p| p.join("pg_ctl").exists())
+            .collect();
+        bindirs.sort();
+        let bindir = bindirs.pop().context("no PostgreSQL server binaries")?;
+        let dir = std::env::temp_dir().join(format!("agentloop-pg-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir)?;
+        let port = free_port();
+        let cluster = Self { dir, bindir, port };
+        cluster.as_owner(&["chown", "-R", "postgres", &cluster.dir.display().to_string()], true)?;
+        cluster.pg(&["initdb", "-D", &cluster.data(), "-A", "trust", "-U", "postgres", "--no-sync"])?;
+        cluster.ctl(&["start"])?;
+        Ok(cluster)
+    }
+
+    fn data(&self) -> String {
+        self.dir.join("data").display().to_string()
+    }
+
+    fn as_owner(&self, args: &[&str], plain: bool) -> Result<()> {
+        let root = nix::unistd::geteuid().is_root();
+        let status = if plain || !root {
+            if plain && !root {
+                return Ok(());
+            }
+            Command::new(args[0]).args(&args[1..]).stdout(Stdio::null()).status()?
+        } else {
+            Command::new("runuser").args(["-u", "postgres", "--"]).args(args).stdout(Stdio::null()).status()?
+        };
+        anyhow::ensure!(status.success(), "{args:?} failed");
+        Ok(())
+    }
+
+    fn pg(&self, args: &[&str]) -> Result<()> {
+        let program = self.bindir.join(args[0]).display().to_string();
+        let mut full = vec![program.as_str()];
+        full.extend(&args[1..]);
+        self.as_owner(&full, false)
+    }
+
+    fn ctl(&self, action: &[&str]) -> Result<()> {
+        let opts = format!("-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off", self.port, self.dir.display());
+        let log = self.dir.join("log").display().to_string();
+        let data = self.data();
+        let mut args = vec!["pg_ctl", "-D", &data, "-o", &opts, "-l", &log, "-w", "-m", "fast"];
+        args.extend(action);
+        self.pg(&args)
+    }
+
+    /// The superuser URL of its `postgres` database.
+    pub fn admin_url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Restarts the server (fast shutdown: every connection is terminated).
+    pub fn restart(&self) -> Result<()> {
+        self.ctl(&["restart"])
+    }
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        let _ = self.ctl(&["stop"]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// Signals re-exported for fault tests.

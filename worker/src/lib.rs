@@ -57,6 +57,11 @@ pub struct WorkerConfig {
     #[arg(long, env = "WORKER_STREAM_THROTTLE_MS", default_value = "250", value_parser = parse_millis)]
     pub stream_throttle: Duration,
 
+    /// Address of the health/metrics endpoint (Prometheus text at any path, e.g.
+    /// `127.0.0.1:9101`); none when unset.
+    #[arg(long, env = "WORKER_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
+
     /// Upper bound of the built-in `sleep` tool, in seconds.
     #[arg(long, env = "TOOL_MAX_SLEEP_SECONDS", default_value_t = 30)]
     pub max_sleep_seconds: u64,

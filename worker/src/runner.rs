@@ -28,6 +28,9 @@ use crate::slice::{self, AbortReason, SliceControl, SliceEnv};
 pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     config.validate()?;
     let worker_id = crate::worker_identity(config.worker_id.as_deref());
+    if let Some(addr) = config.metrics_listen {
+        agentloop_shared::telemetry::metrics::serve(addr).context("serving metrics")?;
+    }
     if config.db.migrate_on_start {
         db::run_migrations(&config.db.database_url).await.context("migrating")?;
     }
@@ -76,6 +79,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                     });
                     for run in claimed {
                         tracing::info!(run.id = %run.id, run.attempt = run.attempts, "claimed");
+                        metrics::counter!("agentloop_claims_total").increment(1);
                         let control = SliceControl::default();
                         in_flight.lock().expect("in-flight lock").insert(run.id, control.clone());
                         let (env, in_flight) = (env.clone(), in_flight.clone());

@@ -170,6 +170,19 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl) {
                 Some(SliceEnd::Interrupted)
             }
         };
+        let label = match (&end, control.reason()) {
+            (Some(SliceEnd::Completed), _) => "completed",
+            (Some(SliceEnd::Requeued), _) => "requeued",
+            (Some(SliceEnd::Interrupted), _) => "interrupted",
+            (Some(SliceEnd::Failed { .. }), _) => "failed",
+            (Some(SliceEnd::Cancelled), _) => "cancelled",
+            (None, _) => "lease_lost",
+        };
+        metrics::counter!("agentloop_slices_total", "end" => label).increment(1);
+        metrics::histogram!("agentloop_slice_duration_seconds").record(started.elapsed().as_secs_f64());
+        if label == "lease_lost" {
+            metrics::counter!("agentloop_lease_lost_total").increment(1);
+        }
         if let Some(end) = end {
             if let Err(error) = write_end(&env.pool, &lease, &state, &end).await {
                 tracing::warn!(%error, "could not record the slice end; the lease will expire and the run be recovered");
@@ -275,6 +288,7 @@ async fn body(
                 let started = Instant::now();
                 let outcome = env.tools.execute(&call.name, &call.arguments, ctx).await;
                 tracing::info!(tool.name = %call.name, tool.error = outcome.is_error, duration_ms = started.elapsed().as_millis() as u64, "tool call");
+                metrics::counter!("agentloop_tool_calls_total", "tool" => call.name.clone(), "error" => outcome.is_error.to_string()).increment(1);
                 let mut result = NewMessage::text(role::TOOL, outcome.content);
                 result.tool_call_id = Some(call.id.clone());
                 produced.push(result);
@@ -347,6 +361,8 @@ async fn call_model(
     let result = env.provider.stream_chat(model, request, &mut on_delta).await;
     stop.cancel();
     let _ = writer.await;
+    metrics::histogram!("agentloop_model_call_duration_seconds").record(started.elapsed().as_secs_f64());
+    metrics::counter!("agentloop_model_calls_total", "outcome" => if result.is_ok() { "ok" } else { "error" }).increment(1);
     match result {
         Ok(turn) => {
             tracing::info!(

@@ -12,6 +12,11 @@ pub async fn healthz() -> HttpResponse {
     HttpResponse::Ok().json(json!({"status": "ok"}))
 }
 
+/// `GET /metrics`: Prometheus text format (see `agentloop_shared::telemetry::metrics`).
+pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(state.metrics.render())
+}
+
 /// `GET /readyz`: PostgreSQL answers a query (503 `database_unavailable` otherwise).
 pub async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let mut conn = state.pool.get().await?;

@@ -14,6 +14,7 @@ use actix_web::web;
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/healthz", web::get().to(health::healthz))
         .route("/readyz", web::get().to(health::readyz))
+        .route("/metrics", web::get().to(health::metrics))
         .route("/", web::get().to(ui::index))
         .service(
             web::scope("/api")
@@ -21,6 +22,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
                 .route("/threads", web::post().to(threads::create_thread::create_thread))
                 .route("/threads", web::get().to(threads::list_threads::list_threads))
                 .route("/threads/{id}", web::get().to(threads::get_thread::get_thread))
+                .route("/threads/{id}/messages", web::get().to(threads::list_messages::list_messages))
                 .route("/threads/{id}/chat", web::post().to(chat::post_chat::post_chat))
                 .route("/threads/{id}/cancel", web::post().to(threads::cancel_thread::cancel_thread))
                 .route("/threads/{id}/updates/stream", web::get().to(updates::stream_updates::stream_updates))

@@ -3,6 +3,7 @@
 
 pub mod catalog;
 pub mod client;
+pub mod projection;
 
 pub use catalog::{CatalogError, ModelArgs, ModelCatalog, ModelConfig, ModelFamily};
 pub use client::{

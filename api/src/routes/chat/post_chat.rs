@@ -205,5 +205,7 @@ pub async fn post_chat(
             Ok(response)
         })
         .await?;
+    let status = response["run"]["status"].as_str().unwrap_or("unknown").to_owned();
+    metrics::counter!("agentloop_runs_enqueued_total", "status" => status).increment(1);
     Ok(HttpResponse::Accepted().json(response))
 }

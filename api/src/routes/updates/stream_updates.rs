@@ -84,6 +84,7 @@ async fn pump(
     tx: mpsc::Sender<sse::Event>,
 ) {
     let heartbeat = state.sse_heartbeat;
+    let _client = LiveClient::new();
     loop {
         wake.borrow_and_update();
         let batch = async {
@@ -127,5 +128,21 @@ async fn pump(
             }
             _ = tx.closed() => return,
         }
+    }
+}
+
+/// Counts connected SSE clients in the `agentloop_live_clients{transport="sse"}` gauge.
+struct LiveClient;
+
+impl LiveClient {
+    fn new() -> Self {
+        metrics::gauge!("agentloop_live_clients", "transport" => "sse").increment(1.0);
+        Self
+    }
+}
+
+impl Drop for LiveClient {
+    fn drop(&mut self) {
+        metrics::gauge!("agentloop_live_clients", "transport" => "sse").decrement(1.0);
     }
 }
