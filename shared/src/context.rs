@@ -2,12 +2,12 @@
 //!
 //! The worker holds the context as [`ContextMessage`]s: canonical rows (with their timestamp
 //! identity) plus the messages the slice produced. What goes to a provider is always a fresh
-//! copy made by [`project`], stripped of every UI field (sequence, timestamp, provenance, usage,
+//! copy made by [`crate::provider::projection::project_for`], stripped of every UI field (sequence, timestamp, provenance, usage,
 //! token estimate), so provider-specific cleanup can never touch checkpoint identities.
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
-use crate::messages::{Message, NewMessage, role};
+use crate::messages::{Message, NewMessage};
 
 /// One message of the working context. `identity` is the canonical timestamp identity once the
 /// message is persisted (`None` until its checkpoint commits).
@@ -41,33 +41,11 @@ pub fn estimate_tokens(context: &[ContextMessage], tools: &[Value]) -> i64 {
     messages + schemas
 }
 
-/// Projects the context into OpenAI Chat Completions messages: a deep copy holding only
-/// `role`, `content`, `tool_calls` and `tool_call_id` (SPEC §9).
-pub fn project(context: &[ContextMessage]) -> Vec<Value> {
-    context
-        .iter()
-        .map(|c| {
-            let m = &c.message;
-            let mut out = json!({"role": m.role, "content": m.content});
-            if m.role == role::ASSISTANT {
-                if let Some(calls) = m.tool_calls.as_ref().filter(|c| c.as_array().is_some_and(|a| !a.is_empty())) {
-                    out["tool_calls"] = calls.clone();
-                    if m.content.as_str() == Some("") {
-                        out["content"] = Value::Null;
-                    }
-                }
-            }
-            if let Some(id) = &m.tool_call_id {
-                out["tool_call_id"] = json!(id);
-            }
-            out
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::messages::role;
+    use serde_json::json;
 
     #[test]
     fn projection_strips_ui_fields_and_keeps_tool_correlation() {
@@ -80,7 +58,11 @@ mod tests {
             ContextMessage { identity: Some(11), message: call },
             ContextMessage { identity: None, message: result },
         ];
-        let projected = project(&context);
+        let model = crate::provider::catalog::ModelCatalog::from_env_vars("http://127.0.0.1:1/v1", None, "m", None)
+            .unwrap()
+            .models
+            .remove(0);
+        let projected = crate::provider::projection::project_for(&model, &context);
         assert_eq!(projected[0], json!({"role": "user", "content": "2+2?"}));
         assert_eq!(projected[1]["content"], Value::Null);
         assert_eq!(projected[1]["tool_calls"][0]["id"], "c1");

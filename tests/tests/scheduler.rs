@@ -225,3 +225,59 @@ async fn terminated_listeners_reconnect_and_nothing_is_lost() {
     assert_eq!(ids, expected, "no event lost or duplicated");
     wait_listener(&db, "agentloop-api-listener", Some(pid)).await;
 }
+
+#[tokio::test]
+async fn model_errors_are_retried_a_bounded_number_of_times() {
+    let stack = Stack::start("model_errors", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    // A transient 503 is retried and the run completes.
+    let thread = c.create_thread().await.unwrap();
+    let posted = c.chat(&thread, &script(json!([{"status": 503, "failTimes": 1, "text": "recovered"}]))).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    // A persistent 500 fails the run with a clear error after bounded retries (1 + 3 requests).
+    let thread = c.create_thread().await.unwrap();
+    let text = script(json!([{"status": 500}]));
+    let posted = c.chat(&thread, &text).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), Duration::from_secs(60)).await.unwrap();
+    assert_eq!(run["status"], "failed");
+    assert_eq!(run["error"]["code"], "model_unavailable");
+    let sent = stack.mock.requests().await.unwrap();
+    let attempts = sent.iter().filter(|r| r.to_string().contains(&text[..40])).count();
+    assert_eq!(attempts, 4);
+    // A 400 is not retried.
+    let thread = c.create_thread().await.unwrap();
+    let text = script(json!([{"status": 400}]));
+    let posted = c.chat(&thread, &text).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(run["error"]["code"], "model_http_error");
+    let sent = stack.mock.requests().await.unwrap();
+    assert_eq!(sent.iter().filter(|r| r.to_string().contains(&text[..40])).count(), 1);
+}
+
+#[tokio::test]
+async fn a_run_recovered_too_often_fails_abandoned() {
+    let lease = vec![
+        ("WORKER_LEASE_MS".into(), "1500".into()),
+        ("WORKER_RENEW_MS".into(), "500".into()),
+        ("WORKER_MAX_RECOVERIES".into(), "1".into()),
+    ];
+    let mut stack = Stack::start("abandoned", StackOptions { workers: 1, worker_env: lease, ..Default::default() }).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let posted = c.chat(&thread, &script(json!([{"text": "never", "delayMs": 30000}]))).await.unwrap();
+    let run_id = posted["run"]["id"].as_str().unwrap().to_owned();
+    for round in 0..2 {
+        c.wait_run(&run_id, T, |r| r["status"] == "running" && r["recoveries"] == round && r["contextTokens"].is_i64())
+            .await
+            .unwrap();
+        let last = stack.workers.len() - 1;
+        stack.workers[last].signal(Sig::SIGKILL);
+        stack.workers[last].wait_exit(Duration::from_secs(5));
+        stack.add_worker(&[]).unwrap();
+    }
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "failed");
+    assert_eq!(run["error"]["code"], "abandoned");
+    assert_eq!(run["recoveries"], 2);
+}

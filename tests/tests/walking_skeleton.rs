@@ -332,7 +332,7 @@ async fn sigterm_hands_the_run_back_and_another_worker_finishes_it() {
     c.wait_run(&run_id, T, |r| r["status"] == "running").await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     stack.workers[0].signal(Sig::SIGTERM);
-    let requeued = c.wait_run(&run_id, Duration::from_secs(2), |r| r["status"] == "queued").await.unwrap();
+    let requeued = c.wait_run(&run_id, Duration::from_secs(1), |r| r["status"] == "queued").await.unwrap();
     assert_eq!(requeued["leaseOwner"], Value::Null);
     assert!(stack.workers[0].wait_exit(Duration::from_secs(10)), "worker exits within its grace period");
     let window = c.get(&format!("/api/threads/{thread}")).await.unwrap().body;

@@ -13,6 +13,7 @@ use agentloop_shared::db::PgPool;
 use agentloop_shared::messages::{self, NewMessage, Provenance, role};
 use agentloop_shared::provider::catalog::{ModelCatalog, ModelConfig};
 use agentloop_shared::provider::client::{ChatRequest, ProviderClient, StreamDelta};
+use agentloop_shared::provider::projection;
 use agentloop_shared::runs::Run;
 use agentloop_shared::scheduler::lease::{self, FencedError, SliceEnd, SliceUsage};
 use agentloop_shared::scheduler::{Lease, LeaseLost};
@@ -249,7 +250,7 @@ async fn body(
         })?;
 
         let request = ChatRequest {
-            messages: context::project(&context),
+            messages: projection::project_for(model, &context),
             tools: tool_specs.clone(),
             tool_choice: None,
             max_tokens: None,
