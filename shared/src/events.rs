@@ -130,3 +130,15 @@ pub async fn prune_thread(conn: &mut AsyncPgConnection, thread_id: Uuid, keep: i
     .execute(conn)
     .await
 }
+
+/// Prunes every thread's journal to its newest `keep` events (SPEC §10: "old rows are pruned, and
+/// a resume below the retained range gets a `reset`"). Returns rows deleted.
+pub async fn prune_all(conn: &mut AsyncPgConnection, keep: i64) -> QueryResult<usize> {
+    diesel::sql_query(
+        "DELETE FROM thread_events e USING threads t
+         WHERE e.thread_id = t.id AND e.sequence <= t.last_event_sequence - $1",
+    )
+    .bind::<BigInt, _>(keep)
+    .execute(conn)
+    .await
+}

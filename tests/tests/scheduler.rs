@@ -281,3 +281,36 @@ async fn a_run_recovered_too_often_fails_abandoned() {
     assert_eq!(run["error"]["code"], "abandoned");
     assert_eq!(run["recoveries"], 2);
 }
+
+#[tokio::test]
+async fn maintenance_prunes_old_receipts_and_trims_journals() {
+    let env = vec![("MAINTENANCE_INTERVAL_MS".into(), "300".into()), ("JOURNAL_RETENTION_EVENTS".into(), "3".into())];
+    let stack = Stack::start("maintenance", StackOptions { worker_env: env, ..Default::default() }).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let r = c
+        .send(reqwest::Method::POST, &format!("/api/threads/{thread}/chat"), Some(json!({"content": script(json!([{"text": "x"}]))})), &[("Idempotency-Key", "fresh")])
+        .await
+        .unwrap();
+    c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    db.batch_execute(
+        "INSERT INTO command_receipts (principal_id, command_id, fingerprint, created_at)
+         SELECT id, 'ancient', 'f', now() - interval '25 hours' FROM principals LIMIT 1",
+    )
+    .await
+    .unwrap();
+    let deadline = Instant::now() + T;
+    loop {
+        let receipts: Vec<String> = db.query("SELECT command_id FROM command_receipts ORDER BY 1", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+        let events: i64 = db.query_one("SELECT count(*) FROM thread_events", &[]).await.unwrap().get(0);
+        if receipts == ["fresh"] && events <= 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not pruned: {receipts:?}, {events} events");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A client resuming below the retained range is told to reset.
+    let r = c.get(&format!("/api/threads/{thread}/updates?afterSequence=1&timeoutMs=0")).await.unwrap();
+    assert_eq!(r.body["reset"], true, "{r:?}");
+}

@@ -2,6 +2,7 @@
 //!
 //! [`runner`] is the claim loop (concurrency, wake-ups, shutdown); [`slice`] is one slice.
 
+pub mod maintenance;
 pub mod runner;
 pub mod slice;
 
@@ -61,6 +62,18 @@ pub struct WorkerConfig {
     /// `127.0.0.1:9101`); none when unset.
     #[arg(long, env = "WORKER_METRICS_LISTEN")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+
+    /// Interval in ms between maintenance passes (receipt and journal pruning).
+    #[arg(long, env = "MAINTENANCE_INTERVAL_MS", default_value = "600000", value_parser = parse_millis)]
+    pub maintenance_interval: Duration,
+
+    /// Hours command receipts are kept (at least 24, SPEC §11).
+    #[arg(long, env = "RECEIPT_RETENTION_HOURS", default_value_t = 24)]
+    pub receipt_retention_hours: i64,
+
+    /// Journal events kept per thread; a resume below them gets a `reset` (SPEC §10).
+    #[arg(long, env = "JOURNAL_RETENTION_EVENTS", default_value_t = 2000)]
+    pub journal_retention_events: i64,
 
     /// Upper bound of the built-in `sleep` tool, in seconds.
     #[arg(long, env = "TOOL_MAX_SLEEP_SECONDS", default_value_t = 30)]

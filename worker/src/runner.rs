@@ -60,6 +60,15 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     tracing::info!(worker.id = %worker_id, concurrency = config.concurrency, "worker started");
 
     let listener_stop = CancellationToken::new();
+    tokio::spawn(crate::maintenance::run(
+        pool.clone(),
+        crate::maintenance::Retention {
+            interval: config.maintenance_interval,
+            receipt_hours: config.receipt_retention_hours,
+            journal_events: config.journal_retention_events,
+        },
+        listener_stop.clone(),
+    ));
     let mut notifications =
         listener::spawn(config.db.database_url.clone(), "agentloop-worker-listener", vec![RUNS_CHANNEL], Duration::from_secs(5), listener_stop.clone());
     let in_flight: Arc<Mutex<HashMap<Uuid, SliceControl>>> = Arc::default();
