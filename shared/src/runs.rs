@@ -67,6 +67,18 @@ pub struct Run {
     /// The user turn of a `pending` run, `{content, tokenEstimate}`, appended to history when
     /// the run is promoted.
     pub input: Option<serde_json::Value>,
+    /// `agent` (the tool loop) or `compaction` (manual compaction into this child thread).
+    pub kind: String,
+    /// For a `compaction` run: the thread being summarised.
+    pub source_thread_id: Option<Uuid>,
+}
+
+/// Run kinds.
+pub mod kind {
+    /// The agent tool loop (SPEC §6).
+    pub const AGENT: &str = "agent";
+    /// Manual compaction into a child thread (SPEC §8).
+    pub const COMPACTION: &str = "compaction";
 }
 
 impl Run {
@@ -131,6 +143,10 @@ pub struct NewRun {
     pub status: &'static str,
     /// For a `pending` run: its user turn, appended when it is promoted.
     pub input: Option<serde_json::Value>,
+    /// [`kind::AGENT`] or [`kind::COMPACTION`].
+    pub kind: &'static str,
+    /// For a compaction run: the thread it summarises.
+    pub source_thread_id: Option<Uuid>,
 }
 
 /// Inserts a run, journals a `run` event and, when it is `queued`, notifies the scheduler (on
@@ -148,6 +164,8 @@ pub async fn insert(conn: &mut AsyncPgConnection, new: NewRun) -> QueryResult<Ru
             runs::command_id.eq(new.command_id),
             runs::queued_at.eq(queued.then(Utc::now)),
             runs::input.eq(new.input),
+            runs::kind.eq(new.kind),
+            runs::source_thread_id.eq(new.source_thread_id),
         ))
         .returning(Run::as_returning())
         .get_result(conn)

@@ -90,6 +90,8 @@ diesel::table! {
         finished_at -> Nullable<Timestamptz>,
         updated_at -> Timestamptz,
         input -> Nullable<Jsonb>,
+        kind -> Text,
+        source_thread_id -> Nullable<Uuid>,
     }
 }
 
@@ -138,6 +140,21 @@ diesel::table! {
     }
 }
 
+diesel::table! {
+    context_snapshots (id) {
+        id -> Int8,
+        thread_id -> Uuid,
+        version -> Int4,
+        summary -> Text,
+        from_sequence -> Int8,
+        to_sequence -> Int8,
+        token_estimate -> Int4,
+        run_id -> Nullable<Uuid>,
+        superseded_at -> Nullable<Timestamptz>,
+        created_at -> Timestamptz,
+    }
+}
+
 diesel::joinable!(api_keys -> principals (principal_id));
 diesel::joinable!(messages -> threads (thread_id));
 diesel::joinable!(runs -> threads (thread_id));
@@ -145,5 +162,5 @@ diesel::joinable!(run_steps -> runs (run_id));
 diesel::joinable!(thread_events -> threads (thread_id));
 
 diesel::allow_tables_to_appear_in_same_query!(
-    principals, api_keys, threads, messages, runs, run_steps, thread_events, command_receipts,
+    principals, api_keys, threads, messages, runs, run_steps, thread_events, command_receipts, context_snapshots,
 );

@@ -195,6 +195,8 @@ pub async fn post_chat(
                     command_id: command_id.clone(),
                     status: run_status,
                     input,
+                    kind: runs::kind::AGENT,
+                    source_thread_id: None,
                 },
             )
             .await?;

@@ -1,0 +1,3 @@
+ALTER TABLE runs DROP COLUMN IF EXISTS source_thread_id;
+ALTER TABLE runs DROP COLUMN IF EXISTS kind;
+DROP TABLE IF EXISTS context_snapshots;
