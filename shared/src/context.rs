@@ -7,7 +7,7 @@
 
 use serde_json::Value;
 
-use crate::messages::{Message, NewMessage};
+use crate::messages::{Message, NewMessage, role};
 
 /// One message of the working context. `identity` is the canonical timestamp identity once the
 /// message is persisted (`None` until its checkpoint commits).
@@ -33,6 +33,40 @@ impl From<&Message> for ContextMessage {
     }
 }
 
+/// Builds the summary message of a snapshot: a `system` message whose text starts with the
+/// internal [`SUMMARY_MARKER`](crate::provider::projection::SUMMARY_MARKER) (stripped from every
+/// provider payload), so a later compaction folds it instead of keeping it as an instruction.
+pub fn summary_message(summary: &str) -> ContextMessage {
+    let text = format!("{}\nSummary of the earlier conversation:\n{summary}", crate::provider::projection::SUMMARY_MARKER);
+    ContextMessage { identity: None, message: NewMessage::text(role::SYSTEM, text) }
+}
+
+/// Whether a context message is a compaction summary (carries the internal marker).
+pub fn is_summary(message: &NewMessage) -> bool {
+    message.role == role::SYSTEM
+        && crate::messages::content_text(&message.content).starts_with(crate::provider::projection::SUMMARY_MARKER)
+}
+
+/// The model context of a thread (SPEC §6 step 2): with a live snapshot, the system/developer
+/// rows before its coverage, its summary, then the active rows after `to_sequence`; without one,
+/// every active row. Returns the snapshot used.
+pub async fn load(
+    conn: &mut diesel_async::AsyncPgConnection,
+    thread_id: uuid::Uuid,
+) -> diesel::QueryResult<(Vec<ContextMessage>, Option<crate::snapshots::Snapshot>)> {
+    let snapshot = crate::snapshots::latest_live(conn, thread_id).await?;
+    let Some(snap) = snapshot else {
+        let rows = crate::messages::active_after(conn, thread_id, 0).await?;
+        return Ok((rows.iter().map(ContextMessage::from).collect(), None));
+    };
+    let instructions = crate::messages::instructions_before(conn, thread_id, snap.from_sequence).await?;
+    let tail = crate::messages::active_after(conn, thread_id, snap.to_sequence).await?;
+    let mut context: Vec<ContextMessage> = instructions.iter().map(ContextMessage::from).collect();
+    context.push(summary_message(&snap.summary));
+    context.extend(tail.iter().map(ContextMessage::from));
+    Ok((context, Some(snap)))
+}
+
 /// Approximate tokens of the context (the sum of per-message estimates, SPEC §6 step 2) plus the
 /// tool schemas sent with it.
 pub fn estimate_tokens(context: &[ContextMessage], tools: &[Value]) -> i64 {
@@ -44,7 +78,6 @@ pub fn estimate_tokens(context: &[ContextMessage], tools: &[Value]) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::messages::role;
     use serde_json::json;
 
     #[test]

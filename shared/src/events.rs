@@ -33,6 +33,10 @@ pub mod kind {
     /// Streaming progress of the partial answer; payload `{runId, offset, delta}` where `offset`
     /// is the character length of the partial text before `delta`; `offset: 0` restarts it.
     pub const STREAMING: &str = "streaming";
+    /// Compaction progress of a run: `{runId, pass, part, of, label}` before each summarisation
+    /// call, then `{runId, done: true, passes, calls, inputTokens, summaryTokens,
+    /// snapshotVersion}`.
+    pub const COMPACTION: &str = "compaction";
 }
 
 /// One journal row.

@@ -2,16 +2,21 @@
 //! the notification protocol, configuration, the model provider client and the tools, used by
 //! both the `agentloop-api` and `agentloop-worker` binaries.
 
+pub mod approvals;
 pub mod auth;
+pub mod branches;
+pub mod compaction;
 pub mod config;
 pub mod context;
 pub mod db;
 pub mod events;
 pub mod messages;
+pub mod operations;
 pub mod provider;
 pub mod receipts;
 pub mod runs;
 pub mod scheduler;
+pub mod snapshots;
 pub mod telemetry;
 pub mod threads;
 pub mod tokens;

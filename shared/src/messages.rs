@@ -426,3 +426,88 @@ pub async fn active_exists_around(
     .await?;
     Ok((row.before, row.after))
 }
+
+/// Active `system`/`developer` rows before `sequence` (the instructions kept ahead of a
+/// snapshot's coverage), in order.
+pub async fn instructions_before(conn: &mut AsyncPgConnection, thread_id: Uuid, sequence: i64) -> QueryResult<Vec<Message>> {
+    messages::table
+        .filter(messages::thread_id.eq(thread_id))
+        .filter(messages::active.eq(true))
+        .filter(messages::sequence.lt(sequence))
+        .filter(messages::role.eq_any([role::SYSTEM, role::DEVELOPER]))
+        .order(messages::sequence.asc())
+        .select(Message::as_select())
+        .load(conn)
+        .await
+}
+
+/// The last active assistant tool-call message of `run_id` and the ids of its calls that
+/// already have a result (active `tool` rows after it), or `None` when the run made no call.
+/// A slice starts by answering the rest (approved calls, calls interrupted by a crash), SPEC §6.
+pub async fn last_tool_call_group(
+    conn: &mut AsyncPgConnection,
+    thread_id: Uuid,
+    run_id: Uuid,
+) -> QueryResult<Option<(Message, Vec<String>)>> {
+    let last_call: Option<Message> = messages::table
+        .filter(messages::run_id.eq(run_id))
+        .filter(messages::active.eq(true))
+        .filter(messages::role.eq(role::ASSISTANT))
+        .filter(messages::tool_calls.is_not_null())
+        .order(messages::sequence.desc())
+        .select(Message::as_select())
+        .first(conn)
+        .await
+        .optional()?;
+    let Some(call) = last_call else { return Ok(None) };
+    let answered: Vec<Option<String>> = messages::table
+        .filter(messages::thread_id.eq(thread_id))
+        .filter(messages::active.eq(true))
+        .filter(messages::sequence.gt(call.sequence))
+        .filter(messages::role.eq(role::TOOL))
+        .select(messages::tool_call_id)
+        .load(conn)
+        .await?;
+    Ok(Some((call, answered.into_iter().flatten().collect())))
+}
+
+/// One tool call of an assistant message's `tool_calls` (OpenAI shape).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCallRef {
+    pub id: String,
+    pub name: String,
+    /// The model's argument text.
+    pub arguments: String,
+}
+
+/// The calls of a `tool_calls` value, in order (entries without an id are skipped).
+pub fn tool_calls_of(tool_calls: Option<&serde_json::Value>) -> Vec<ToolCallRef> {
+    tool_calls
+        .and_then(|c| c.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| {
+            let id = c.get("id")?.as_str()?.to_owned();
+            let function = c.get("function");
+            let name = function.and_then(|f| f.get("name")).and_then(|n| n.as_str()).unwrap_or_default().to_owned();
+            let arguments = match function.and_then(|f| f.get("arguments")) {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(serde_json::Value::Null) | None => String::new(),
+                Some(other) => other.to_string(),
+            };
+            Some(ToolCallRef { id, name, arguments })
+        })
+        .collect()
+}
+
+/// `(count, sum of token_estimate)` of the active rows after `sequence` (context accounting).
+pub async fn active_totals_after(conn: &mut AsyncPgConnection, thread_id: Uuid, sequence: i64) -> QueryResult<(i64, i64)> {
+    let (count, tokens): (i64, Option<i64>) = messages::table
+        .filter(messages::thread_id.eq(thread_id))
+        .filter(messages::active.eq(true))
+        .filter(messages::sequence.gt(sequence))
+        .select((diesel::dsl::count_star(), diesel::dsl::sum(messages::token_estimate)))
+        .get_result(conn)
+        .await?;
+    Ok((count, tokens.unwrap_or(0)))
+}

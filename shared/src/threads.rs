@@ -135,3 +135,12 @@ pub async fn set_context_tokens(conn: &mut AsyncPgConnection, thread_id: Uuid, t
         .await?;
     Ok(())
 }
+
+/// Links a thread to the thread it was compacted from.
+pub async fn set_parent(conn: &mut AsyncPgConnection, thread_id: Uuid, parent: Uuid) -> QueryResult<()> {
+    diesel::update(threads::table.find(thread_id))
+        .set(threads::parent_thread_id.eq(parent))
+        .execute(conn)
+        .await?;
+    Ok(())
+}

@@ -2,9 +2,31 @@
 //!
 //! [`runner`] is the claim loop (concurrency, wake-ups, shutdown); [`slice`] is one slice.
 
+/// Runs `$body` in one transaction that first takes `$lease`'s fence (SPEC §5 "Fencing");
+/// evaluates to `Result<T, SliceError>`.
+macro_rules! fenced {
+    ($pool:expr, $lease:expr, |$conn:ident| $body:block) => {{
+        async {
+            use diesel_async::AsyncConnection as _;
+            let mut pooled = $pool.get().await.map_err($crate::slice::SliceError::from)?;
+            (*pooled)
+                .transaction(async |$conn: &mut diesel_async::AsyncPgConnection| -> Result<_, agentloop_shared::scheduler::lease::FencedError> {
+                    $lease.fence($conn).await?;
+                    $body
+                })
+                .await
+                .map_err($crate::slice::SliceError::from)
+        }
+        .await
+    }};
+}
+
+pub mod compact;
 pub mod maintenance;
 pub mod runner;
 pub mod slice;
+pub mod test_tools;
+pub mod tool_calls;
 
 use std::time::Duration;
 
@@ -78,6 +100,22 @@ pub struct WorkerConfig {
     /// Upper bound of the built-in `sleep` tool, in seconds.
     #[arg(long, env = "TOOL_MAX_SLEEP_SECONDS", default_value_t = 30)]
     pub max_sleep_seconds: u64,
+
+    /// JSON file with tool policies (auto|ask|deny), idempotency overrides, MCP servers and HTTP
+    /// tools (see `agentloop_shared::tools::config`); none: built-in tools, all `auto`.
+    #[arg(long, env = "TOOLS_FILE")]
+    pub tools_file: Option<std::path::PathBuf>,
+
+    /// Deadline in ms of a tool approval; undecided calls are then rejected with reason
+    /// `expired` and the run continues (default 24 h).
+    #[arg(long, env = "APPROVAL_TIMEOUT_MS", default_value = "86400000", value_parser = parse_millis)]
+    pub approval_timeout: Duration,
+
+    /// TESTS ONLY: also register the non-idempotent `record_effect` tool, which counts its
+    /// executions in the table `agentloop_test_effects` of this database.
+    #[arg(long, env = "AGENTLOOP_TEST_TOOLS", default_value_t = false, action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub test_tools: bool,
 }
 
 impl WorkerConfig {

@@ -17,8 +17,8 @@ use agentloop_shared::provider::projection;
 use agentloop_shared::runs::Run;
 use agentloop_shared::scheduler::lease::{self, FencedError, SliceEnd, SliceUsage};
 use agentloop_shared::scheduler::{Lease, LeaseLost};
-use agentloop_shared::tools::{ToolContext, ToolRegistry};
-use agentloop_shared::{events, threads};
+use agentloop_shared::tools::ToolRegistry;
+use agentloop_shared::{compaction, events, threads};
 use diesel_async::AsyncConnection;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -40,6 +40,8 @@ pub struct SliceEnv {
     pub max_recoveries: i32,
     /// Minimum interval between streaming-column writes.
     pub stream_throttle: Duration,
+    /// Decision deadline of a tool approval (SPEC: 24 h by default).
+    pub approval_timeout: Duration,
 }
 
 /// Why a slice was aborted (first reason wins).
@@ -73,11 +75,16 @@ impl SliceControl {
     fn reason(&self) -> Option<AbortReason> {
         *self.reason.lock().expect("abort reason lock")
     }
+
+    /// A token cancelled when the slice is aborted (handed to tools).
+    pub(crate) fn cancel_token(&self) -> CancellationToken {
+        self.token.child_token()
+    }
 }
 
 /// Errors that end a slice.
 #[derive(Debug, thiserror::Error)]
-enum SliceError {
+pub enum SliceError {
     #[error("aborted")]
     Aborted,
     #[error("lease lost")]
@@ -109,33 +116,15 @@ impl From<diesel_async::pooled_connection::deadpool::PoolError> for SliceError {
     }
 }
 
-fn failed(code: &str, message: impl Into<String>) -> SliceError {
+pub(crate) fn failed(code: &str, message: impl Into<String>) -> SliceError {
     SliceError::Failed { code: code.into(), message: message.into() }
-}
-
-/// Runs `$body` in one transaction that first takes `$lease`'s fence (SPEC §5 "Fencing");
-/// evaluates to `Result<T, SliceError>`.
-macro_rules! fenced {
-    ($pool:expr, $lease:expr, |$conn:ident| $body:block) => {{
-        async {
-            let mut pooled = $pool.get().await?;
-            (*pooled)
-                .transaction(async |$conn: &mut diesel_async::AsyncPgConnection| -> Result<_, FencedError> {
-                    $lease.fence($conn).await?;
-                    $body
-                })
-                .await
-                .map_err(SliceError::from)
-        }
-        .await
-    }};
 }
 
 /// Mutable evidence of the slice, written at its end whatever way it ends.
 #[derive(Default)]
-struct SliceState {
-    step_id: Option<i64>,
-    usage: SliceUsage,
+pub struct SliceState {
+    pub(crate) step_id: Option<i64>,
+    pub(crate) usage: SliceUsage,
 }
 
 /// Executes one slice of the claimed `run` until it ends or `control` aborts it.
@@ -177,6 +166,8 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl) {
             (Some(SliceEnd::Interrupted), _) => "interrupted",
             (Some(SliceEnd::Failed { .. }), _) => "failed",
             (Some(SliceEnd::Cancelled), _) => "cancelled",
+            (Some(SliceEnd::WaitingApproval), _) => "waiting_approval",
+            (Some(SliceEnd::Blocked { .. }), _) => "blocked",
             (None, _) => "lease_lost",
         };
         metrics::counter!("agentloop_slices_total", "end" => label).increment(1);
@@ -233,16 +224,37 @@ async fn body(
         .transaction(async |conn| lease.begin_step(conn, step_sequence, run.attempts, &model.id).await)
         .await?;
     state.step_id = Some(step.id);
-    tracing::info!(step.sequence = step.sequence, model.name = %model.id, "slice started");
-    let history = messages::active_after(&mut conn, run.thread_id, 0).await?;
+    tracing::info!(step.sequence = step.sequence, model.name = %model.id, run.kind = %run.kind, "slice started");
+    if run.kind == agentloop_shared::runs::kind::COMPACTION {
+        drop(conn);
+        return crate::compact::manual(env, run, lease, model, state).await;
+    }
+    // SPEC §6-§7: operations a dead attempt left dispatched block the run; the unanswered calls
+    // of the run's last tool-call message (approved, or interrupted by a crash) are answered
+    // before the model is called. Never holds `conn` across a tool call.
+    drop(conn);
+    let step_provenance = Provenance { run_id: Some(run.id), step_id: Some(step.id) };
+    let resumed = crate::tool_calls::resume(env, run, lease, &control.cancel_token(), state, step_provenance).await?;
+    if resumed.is_some_and(|r| r.ended) {
+        return Ok(());
+    }
+    let mut conn = env.pool.get().await?;
+    let (mut context, mut snapshot) = context::load(&mut conn, run.thread_id).await?;
+    let metadata = threads::get(&mut conn, run.thread_id).await?.metadata;
     drop(conn); // never hold a pooled connection across a model or tool call
-    let mut context: Vec<ContextMessage> = history.iter().map(ContextMessage::from).collect();
+    let settings = compaction::Settings::from_metadata(&metadata, model.context_tokens);
     let tool_specs = if model.supports_tools { env.tools.specs() } else { Vec::new() };
     let provenance = Provenance { run_id: Some(run.id), step_id: Some(step.id) };
     let mut slice_tool_calls: u32 = 0;
 
     loop {
-        let tokens = context::estimate_tokens(&context, &tool_specs);
+        let mut tokens = context::estimate_tokens(&context, &tool_specs);
+        if tokens > settings.threshold {
+            tracing::info!(tokens, threshold = settings.threshold, "context over the compaction threshold");
+            (context, snapshot) =
+                crate::compact::automatic(env, model, lease, &context, snapshot.as_ref(), &settings).await?;
+            tokens = context::estimate_tokens(&context, &tool_specs);
+        }
         let limit = model.context_tokens.map(|t| t as i32);
         fenced!(env.pool, lease, |conn| {
             lease::record_context(conn, lease, step.id, tokens as i32, limit).await?;
@@ -263,7 +275,6 @@ async fn body(
             state.usage.completion_tokens += usage.completion_tokens as i64;
         }
 
-        let mut produced = Vec::with_capacity(1 + turn.tool_calls.len());
         let mut assistant = NewMessage::text(role::ASSISTANT, turn.content.clone());
         assistant.reasoning = turn.reasoning.clone().filter(|r| !r.is_empty());
         if !turn.tool_calls.is_empty() {
@@ -276,47 +287,55 @@ async fn body(
             assistant.token_estimate += agentloop_shared::tokens::estimate_text(&calls.to_string()) as i32;
             assistant.tool_calls = Some(calls);
         }
-        produced.push(assistant);
 
-        let end = if turn.tool_calls.is_empty() {
-            Some(SliceEnd::Completed)
-        } else {
-            for call in &turn.tool_calls {
-                let ctx = ToolContext {
-                    idempotency_key: format!("run:{}:call:{}", run.id, call.id),
-                    cancel: control.token.child_token(),
-                };
-                let started = Instant::now();
-                let outcome = env.tools.execute(&call.name, &call.arguments, ctx).await;
-                tracing::info!(tool.name = %call.name, tool.error = outcome.is_error, duration_ms = started.elapsed().as_millis() as u64, "tool call");
-                metrics::counter!("agentloop_tool_calls_total", "tool" => call.name.clone(), "error" => outcome.is_error.to_string()).increment(1);
-                let mut result = NewMessage::text(role::TOOL, outcome.content);
-                result.tool_call_id = Some(call.id.clone());
-                produced.push(result);
-            }
-            let n = turn.tool_calls.len() as u32;
-            slice_tool_calls += n;
-            state.usage.tool_calls += n as i32;
-            (slice_tool_calls >= env.tool_call_limit).then_some(SliceEnd::Requeued)
-        };
+        if turn.tool_calls.is_empty() {
+            // Final answer: the message and the run's completion in one transaction.
+            let (usage, step_id) = (state.usage, state.step_id);
+            fenced!(env.pool, lease, |conn| {
+                messages::append(conn, lease.thread_id, provenance, std::slice::from_ref(&assistant), &[None]).await?;
+                threads::set_streaming(conn, lease.thread_id, None).await?;
+                lease::end_slice(conn, lease, step_id, usage, &SliceEnd::Completed).await?;
+                Ok(())
+            })?;
+            tracing::info!(end = ?SliceEnd::Completed, tool_calls = slice_tool_calls, "slice checkpointed its end");
+            return Ok(());
+        }
 
-        let identities = vec![None; produced.len()];
-        let (usage, step_id) = (state.usage, state.step_id);
+        // Tool calls (SPEC §6 step 5, §7): the call message is checkpointed before any call runs,
+        // then each result is appended as it arrives (see `tool_calls`).
         let inserted = fenced!(env.pool, lease, |conn| {
-            let inserted = messages::append(conn, lease.thread_id, provenance, &produced, &identities).await?;
+            let inserted = messages::append(conn, lease.thread_id, provenance, std::slice::from_ref(&assistant), &[None]).await?;
             threads::set_streaming(conn, lease.thread_id, None).await?;
-            if let Some(end) = &end {
-                lease::end_slice(conn, lease, step_id, usage, end).await?;
-            }
             Ok(inserted)
         })?;
-        let mut identities = identities;
-        for (i, row) in &inserted {
-            identities[*i] = Some(row.timestamp_ms);
+        let Some((_, row)) = inserted.into_iter().next() else {
+            return Err(SliceError::Db("the assistant tool-call message was not appended".into()));
+        };
+        let calls = turn
+            .tool_calls
+            .iter()
+            .map(|c| messages::ToolCallRef { id: c.id.clone(), name: c.name.clone(), arguments: c.arguments.clone() })
+            .collect();
+        context.push(ContextMessage { identity: Some(row.timestamp_ms), message: assistant });
+        let batch = crate::tool_calls::Batch {
+            message_sequence: row.sequence,
+            calls,
+            answered: std::collections::HashSet::new(),
+            provenance,
+        };
+        let outcome = crate::tool_calls::run_batch(env, run, lease, &control.cancel_token(), state, batch).await?;
+        context.extend(outcome.results);
+        if outcome.ended {
+            return Ok(());
         }
-        context.extend(produced.into_iter().zip(identities).map(|(message, identity)| ContextMessage { identity, message }));
-        if let Some(end) = end {
-            tracing::info!(end = ?end, tool_calls = slice_tool_calls, "slice checkpointed its end");
+        slice_tool_calls += outcome.answered;
+        if slice_tool_calls >= env.tool_call_limit {
+            let (usage, step_id) = (state.usage, state.step_id);
+            fenced!(env.pool, lease, |conn| {
+                lease::end_slice(conn, lease, step_id, usage, &SliceEnd::Requeued).await?;
+                Ok(())
+            })?;
+            tracing::info!(end = ?SliceEnd::Requeued, tool_calls = slice_tool_calls, "slice checkpointed its end");
             return Ok(());
         }
     }

@@ -2,6 +2,7 @@
 
 pub mod chat;
 pub mod health;
+pub mod messages;
 pub mod models;
 pub mod runs;
 pub mod threads;
@@ -25,6 +26,14 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
                 .route("/threads/{id}/messages", web::get().to(threads::list_messages::list_messages))
                 .route("/threads/{id}/chat", web::post().to(chat::post_chat::post_chat))
                 .route("/threads/{id}/cancel", web::post().to(threads::cancel_thread::cancel_thread))
+                .route("/threads/{id}/compact", web::post().to(threads::compact_thread::compact_thread))
+                .route("/threads/{id}/context", web::get().to(threads::get_context::get_context))
+                .route("/threads/{id}/messages/{sequence}/edit", web::post().to(messages::edit_message::edit_message))
+                .route(
+                    "/threads/{id}/messages/{sequence}/regenerate",
+                    web::post().to(messages::regenerate_message::regenerate_message),
+                )
+                .route("/threads/{id}/messages/{sequence}", web::delete().to(messages::delete_message::delete_message))
                 .route("/threads/{id}/updates/stream", web::get().to(updates::stream_updates::stream_updates))
                 .route("/threads/{id}/updates", web::get().to(updates::poll_updates::poll_updates))
                 .route("/runs/{id}", web::get().to(runs::get_run::get_run))

@@ -98,7 +98,22 @@ pub struct BadRequest(pub String);
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Directive {
+    #[serde(default)]
     steps: Vec<Step>,
+    /// Counting mode (survives compaction, which may summarise the steps away): while the last
+    /// tool result of the request is an integer `n < until` (0 when there is none), call
+    /// `calculator` with `n+1` and say `text`; then answer `finished at <n>`.
+    #[serde(rename = "loop")]
+    count_loop: Option<CountLoop>,
+}
+
+/// See [`Directive::count_loop`].
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CountLoop {
+    until: i64,
+    #[serde(default)]
+    text: String,
 }
 
 /// One scripted assistant turn. All fields are optional; unknown fields are rejected so that
@@ -230,14 +245,74 @@ pub fn plan(request: &Value, failures: &FailureCounts) -> Result<Reply, BadReque
         .get("messages")
         .and_then(Value::as_array)
         .ok_or_else(|| BadRequest("`messages` must be an array".to_owned()))?;
+    if let Some(reply) = summary_reply(messages) {
+        return Ok(reply);
+    }
     let conversation = Conversation::new(messages);
-    match conversation.user_text.find(DIRECTIVE_MARKER) {
-        Some(at) => {
-            let script = &conversation.user_text[at + DIRECTIVE_MARKER.len()..];
-            let directive = parse_directive(script)?;
+    // The directive comes from the last user message, or else from a system message (where a
+    // compaction summary carries it forward).
+    let source = Some(conversation.user_text.clone()).filter(|t| t.contains(DIRECTIVE_MARKER)).or_else(|| {
+        messages.iter().filter(|m| role(m) == "system").map(content_text).find(|t| t.contains(DIRECTIVE_MARKER))
+    });
+    match source {
+        Some(text) => {
+            let at = text.find(DIRECTIVE_MARKER).unwrap_or(0);
+            let directive = parse_directive(&text[at + DIRECTIVE_MARKER.len()..])?;
+            if let Some(count_loop) = directive.count_loop {
+                return Ok(loop_reply(&conversation, &count_loop));
+            }
             Ok(scripted_reply(&conversation, directive, failures))
         }
         None => Ok(default_reply(&conversation, request)),
+    }
+}
+
+/// Opening words of agentloop's summarisation system prompt (`compaction::SUMMARY_PROMPT`).
+const SUMMARY_PROMPT_START: &str = "You compress the earlier part of a conversation";
+
+/// A summarisation request (first message is agentloop's summary prompt) gets a short summary:
+/// `Summary of <N> characters: <first 80 characters of the transcript>` — always far smaller
+/// than its input, deterministic, and free of `MOCK:` directives. A transcript containing
+/// `MOCK_SUMMARY_GROWS` gets back twice its own text instead (to test refusal of a summary that
+/// does not shrink).
+fn summary_reply(messages: &[Value]) -> Option<Reply> {
+    let first = messages.first()?;
+    if role(first) != "system" || !content_text(first).starts_with(SUMMARY_PROMPT_START) {
+        return None;
+    }
+    let transcript = messages.get(1).map(content_text).unwrap_or_default();
+    let text = if transcript.contains("MOCK_SUMMARY_GROWS") {
+        transcript.repeat(2)
+    } else {
+        // Carry a directive forward verbatim so scripted runs keep their script after compaction.
+        let directive = transcript.find(DIRECTIVE_MARKER).and_then(|at| {
+            let rest = &transcript[at + DIRECTIVE_MARKER.len()..];
+            serde_json::Deserializer::from_str(rest).into_iter::<Value>().next()?.ok()
+        });
+        let head: String = transcript.replace(DIRECTIVE_MARKER, "").chars().take(80).collect();
+        let mut text = format!("Summary of {} characters: {}", transcript.chars().count(), head.replace('\n', " "));
+        if let Some(d) = directive {
+            text.push_str(&format!(" {DIRECTIVE_MARKER} {d}"));
+        }
+        text
+    };
+    Some(Reply { text, ..Reply::default() })
+}
+
+/// The counting loop of [`CountLoop`].
+fn loop_reply(conversation: &Conversation<'_>, count_loop: &CountLoop) -> Reply {
+    let n: i64 = conversation.last_tool_result().trim().parse().unwrap_or(0);
+    if n >= count_loop.until {
+        return Reply { text: format!("finished at {n}"), ..Reply::default() };
+    }
+    Reply {
+        text: count_loop.text.clone(),
+        tool_calls: vec![ToolCall {
+            id: default_call_id(n as usize, 0),
+            name: CALCULATOR.to_owned(),
+            arguments: serde_json::json!({ "expression": format!("{n}+1") }).to_string(),
+        }],
+        ..Reply::default()
     }
 }
 

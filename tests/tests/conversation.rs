@@ -1,0 +1,186 @@
+//! Conversation model (issue 4): checkpoints by identity, branches, provider repairs in the
+//! loop, aborted streams, context accounting, automatic and manual compaction.
+
+use std::time::Duration;
+
+use agentloop_shared::messages::{self, NewMessage, Provenance, role};
+use agentloop_tests::{Stack, StackOptions, TestDb, script};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use serde_json::{Value, json};
+
+const T: Duration = Duration::from_secs(60);
+
+async fn window(stack: &Stack, thread: &str) -> Value {
+    stack.client().get(&format!("/api/threads/{thread}")).await.unwrap().body
+}
+
+fn seqs(window: &Value) -> Vec<i64> {
+    window["messages"].as_array().unwrap().iter().map(|m| m["sequence"].as_i64().unwrap()).collect()
+}
+
+#[tokio::test]
+async fn double_delivery_of_a_checkpoint_adds_nothing() {
+    let db = TestDb::create().await.unwrap();
+    let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();
+    let owner = agentloop_shared::auth::ensure_principal(&mut conn, "p").await.unwrap();
+    let thread = agentloop_shared::threads::create(&mut conn, owner.id, Default::default()).await.unwrap();
+    let batch = vec![NewMessage::text(role::USER, "hi"), NewMessage::text(role::ASSISTANT, "hello")];
+    let first = messages::append(&mut conn, thread.id, Provenance::default(), &batch, &[None, None]).await.unwrap();
+    assert_eq!(first.len(), 2);
+    let identities: Vec<Option<i64>> = first.iter().map(|(_, m)| Some(m.timestamp_ms)).collect();
+    // Re-delivering the same identities (e.g. a retried checkpoint) appends and updates nothing.
+    let again = messages::append(&mut conn, thread.id, Provenance::default(), &batch, &identities).await.unwrap();
+    assert!(again.is_empty());
+    // A mixed batch appends only the new identity.
+    let mut mixed = batch.clone();
+    mixed.push(NewMessage::text(role::USER, "more"));
+    let mut ids = identities.clone();
+    ids.push(None);
+    let third = messages::append(&mut conn, thread.id, Provenance::default(), &mixed, &ids).await.unwrap();
+    assert_eq!(third.len(), 1);
+    assert_eq!(third[0].0, 2);
+    let rows = messages::active_after(&mut conn, thread.id, 0).await.unwrap();
+    assert_eq!(rows.iter().map(|m| m.sequence).collect::<Vec<_>>(), [1, 2, 3]);
+    assert!(rows.windows(2).all(|w| w[1].timestamp_ms > w[0].timestamp_ms), "monotonic identities");
+    let t = agentloop_shared::threads::get(&mut conn, thread.id).await.unwrap();
+    assert_eq!((t.message_count, t.last_sequence), (3, 3));
+}
+
+#[tokio::test]
+async fn edit_regenerate_and_delete_produce_the_right_branch_and_context() {
+    let stack = Stack::start("branches", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let first = c.chat(&thread, &script(json!([{"text": "answer A"}]))).await.unwrap();
+    c.wait_terminal(first["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    let second = c.chat(&thread, &script(json!([{"toolCalls": [{"name": "calculator", "arguments": {"expression": "1+1"}}]}, {"text": "answer B"}]))).await.unwrap();
+    c.wait_terminal(second["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(seqs(&window(&stack, &thread).await), [1, 2, 3, 4, 5, 6]);
+
+    // Delete the tool result: its whole group (call + result) goes.
+    let r = c.send(reqwest::Method::DELETE, &format!("/api/threads/{thread}/messages/5"), None, &[]).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.body["deactivated"], json!([4, 5]));
+    assert_eq!(seqs(&window(&stack, &thread).await), [1, 2, 3, 6]);
+
+    // Edit the first user message: everything from it is replaced by a new branch.
+    let r = c.post(&format!("/api/threads/{thread}/messages/1/edit"), json!({"content": script(json!([{"text": "answer C"}]))})).await.unwrap();
+    assert_eq!(r.status, 202, "{r:?}");
+    assert_eq!(r.body["deactivated"], json!([1, 2, 3, 6]));
+    assert_eq!(r.body["message"]["sequence"], 7);
+    c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    let w = window(&stack, &thread).await;
+    assert_eq!(seqs(&w), [7, 8]);
+    assert_eq!(w["messageCount"], 2);
+    assert_eq!(w["messages"][1]["content"], "answer C");
+    let sent = stack.mock.requests().await.unwrap();
+    let last = sent.last().unwrap()["messages"].as_array().unwrap();
+    assert_eq!(last.iter().filter(|m| m["role"] == "user").count(), 1, "the old branch is not in the model context");
+
+    // Regenerate the answer: a new active answer, no new user message.
+    let r = c.post(&format!("/api/threads/{thread}/messages/8/regenerate"), json!({})).await.unwrap();
+    assert_eq!(r.status, 202, "{r:?}");
+    assert_eq!(r.body["deactivated"], json!([8]));
+    c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(seqs(&window(&stack, &thread).await), [7, 9]);
+
+    // Rows are never deleted; bad targets are refused.
+    let db = stack.db.client().await.unwrap();
+    let total: i64 = db.query_one("SELECT count(*) FROM messages", &[]).await.unwrap().get(0);
+    assert_eq!(total, 9);
+    let r = c.post(&format!("/api/threads/{thread}/messages/9/edit"), json!({"content": "x"})).await.unwrap();
+    assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("not_a_user_message")));
+    let r = c.post(&format!("/api/threads/{thread}/messages/1/edit"), json!({"content": "x"})).await.unwrap();
+    assert_eq!(r.status, 404, "inactive rows cannot be edited");
+}
+
+#[tokio::test]
+async fn an_aborted_stream_leaves_history_untouched() {
+    let stack = Stack::start("aborted_stream", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let text = "one two three four five six seven eight nine ten eleven twelve";
+    let posted = c.chat(&thread, &script(json!([{"text": text, "malformed": "truncate", "chunkDelayMs": 50}]))).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(run["status"], "failed");
+    // The mock drops the connection mid-body: a truncated stream or a transport error.
+    let code = run["error"]["code"].as_str().unwrap();
+    assert!(["model_stream_truncated", "model_transport_error"].contains(&code), "{run}");
+    let w = window(&stack, &thread).await;
+    assert_eq!(seqs(&w), [1]);
+    assert_eq!(w["streamingMessage"], Value::Null);
+}
+
+#[tokio::test]
+async fn automatic_compaction_keeps_one_summary_and_the_run_completes() {
+    let stack = Stack::start("auto_compaction", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let r = c
+        .post("/api/threads", json!({"title": "long", "metadata": {"compactThreshold": 4000, "compactRecentMessages": 4}}))
+        .await
+        .unwrap();
+    let thread = r.body["id"].as_str().unwrap().to_owned();
+    let big = "lorem ipsum dolor sit amet ".repeat(150); // ~750 tokens per assistant message
+    let body = json!({"content": format!("count to 60. MOCK: {}", json!({"loop": {"until": 60, "text": big}}))});
+    let r = c.post(&format!("/api/threads/{thread}/chat"), body).await.unwrap();
+    assert_eq!(r.status, 202, "{r:?}");
+    let run = c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), Duration::from_secs(180)).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let w = window(&stack, &thread).await;
+    assert_eq!(w["messages"].as_array().unwrap().last().unwrap()["content"], "finished at 60");
+    let db = stack.db.client().await.unwrap();
+    let snapshots: i64 = db.query_one("SELECT count(*) FROM context_snapshots", &[]).await.unwrap().get(0);
+    assert!(snapshots >= 20, "{snapshots} compactions");
+    println!("AUTO-COMPACTION snapshots={snapshots} run={}", run["id"]);
+    // The context stayed under the threshold (+ one message of slack) at every model call, and
+    // every request carried at most one summary.
+    for req in stack.mock.requests().await.unwrap() {
+        let msgs = req["messages"].as_array().unwrap();
+        if msgs.first().is_some_and(|m| m["content"].as_str().is_some_and(|t| t.starts_with("You compress"))) {
+            continue;
+        }
+        let summaries = msgs.iter().filter(|m| m["content"].as_str().is_some_and(|t| t.contains("Summary of the earlier conversation"))).count();
+        assert!(summaries <= 1, "{summaries} summaries in one request");
+        assert!(!req.to_string().contains("agentloop:summary"), "the internal marker reached the provider");
+    }
+    let steps = db.query("SELECT context_tokens FROM run_steps", &[]).await.unwrap();
+    assert!(steps.iter().all(|r| r.get::<_, Option<i32>>(0).unwrap_or(0) < 4000 + 1500), "context over the threshold");
+    let ctx = c.get(&format!("/api/threads/{thread}/context")).await.unwrap().body;
+    assert_eq!(ctx["threshold"], 4000);
+    assert!(ctx["snapshot"]["version"].as_i64().unwrap() >= 20, "{ctx}");
+    assert!(ctx["total"].as_i64().unwrap() < 4000 + 1500, "{ctx}");
+    // History is intact: every message is still there and active.
+    let active: i64 = db.query_one("SELECT count(*) FROM messages WHERE active", &[]).await.unwrap().get(0);
+    assert_eq!(active, 1 + 60 * 2 + 1);
+}
+
+#[tokio::test]
+async fn manual_compaction_creates_a_child_thread_and_leaves_the_original_intact() {
+    let stack = Stack::start("manual_compaction", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    for i in 0..5 {
+        let steps = json!([{"toolCalls": [{"name": "calculator", "arguments": {"expression": format!("{i}+1")}}]}, {"text": format!("turn {i} {}", "filler ".repeat(100))}]);
+        let posted = c.chat(&thread, &script(steps)).await.unwrap();
+        c.wait_terminal(posted["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    }
+    let before = window(&stack, &thread).await;
+    let r = c.post(&format!("/api/threads/{thread}/compact"), json!({})).await.unwrap();
+    assert_eq!(r.status, 201, "{r:?}");
+    let child = r.body["thread"]["id"].as_str().unwrap().to_owned();
+    assert_eq!(r.body["thread"]["parentThreadId"], thread.as_str());
+    let run = c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let after = window(&stack, &thread).await;
+    assert_eq!(before["messages"], after["messages"], "the original is untouched");
+    let cw = window(&stack, &child).await;
+    let msgs = cw["messages"].as_array().unwrap();
+    assert_eq!(msgs[0]["role"], "system");
+    assert!(msgs[0]["content"].as_str().unwrap().starts_with("Summary of the earlier conversation"));
+    assert!(!cw.to_string().contains("agentloop:summary"), "no internal marker in a child thread");
+    // The verbatim tail: the last 12 messages of the original (a tool group is never split).
+    let tail: Vec<&Value> = before["messages"].as_array().unwrap().iter().rev().take(msgs.len() - 1).collect();
+    assert_eq!(msgs.len() - 1, 12);
+    assert_eq!(msgs.last().unwrap()["content"], tail[0]["content"]);
+    assert_ne!(msgs[1]["role"], "tool");
+}
