@@ -276,7 +276,8 @@ pub async fn promote_next_pending(conn: &mut AsyncPgConnection, thread_id: Uuid)
 /// Requests cancellation of run `id` (SPEC §5 "Cancellation"); idempotent. In the caller's
 /// transaction it locks the run and:
 /// - `pending`/`queued`/`waiting_approval`/`blocked` (no worker holds it): `cancelled` at once,
-///   and the thread's next pending run is promoted when this one was active;
+///   its pending tool approvals `cancelled`, and the thread's next pending run is promoted when
+///   this one was active;
 /// - `running`: sets `cancel_requested_at` (kept if already set) and notifies
 ///   `cancel:<id>`, so the owning worker aborts at once and writes `cancelled` itself;
 /// - terminal: nothing.
@@ -299,6 +300,7 @@ pub async fn request_cancel(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResu
                 .returning(Run::as_returning())
                 .get_result(conn)
                 .await?;
+            crate::approvals::cancel_pending(conn, run.id).await?;
             crate::messages::close_dangling_tool_calls(conn, run.thread_id, run.id).await?;
             journal(conn, &run).await?;
             if was_active {

@@ -7,14 +7,15 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use agentloop_shared::db::{self, PgPool};
 use agentloop_shared::events::RUNS_CHANNEL;
 use agentloop_shared::provider::client::ProviderClient;
 use agentloop_shared::scheduler::listener::{self, ListenerEvent};
 use agentloop_shared::scheduler::{self as sched, claim::next_lease_expiry_ms};
-use agentloop_shared::tools::{BuiltinToolConfig, ToolRegistry};
+use agentloop_shared::approvals;
+use agentloop_shared::tools::{BuiltinToolConfig, ToolRegistry, ToolsConfig};
 use anyhow::Context;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -41,10 +42,22 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         Duration::from_secs(30),
     )?;
     let catalog = Arc::new(config.models.catalog().context("loading the model catalog")?);
-    let tools = Arc::new(ToolRegistry::builtin(&BuiltinToolConfig {
+    let mut registry = ToolRegistry::builtin(&BuiltinToolConfig {
         max_sleep_seconds: config.max_sleep_seconds,
         ..BuiltinToolConfig::default()
-    }));
+    });
+    if let Some(path) = &config.tools_file {
+        registry.configure(&ToolsConfig::load(path).context("loading TOOLS_FILE")?);
+    }
+    if config.test_tools {
+        tracing::warn!("AGENTLOOP_TEST_TOOLS is on: the test tool record_effect is offered");
+        crate::test_tools::RecordEffect::install(&pool).await;
+        registry.register(Arc::new(crate::test_tools::RecordEffect { pool: pool.clone() }));
+    }
+    for (server, error) in registry.connect_mcp().await {
+        tracing::warn!(mcp.server = %server, %error, "MCP server unavailable at start-up; retried when its tools are called");
+    }
+    let tools = Arc::new(registry);
     let env = Arc::new(SliceEnv {
         pool: pool.clone(),
         provider: ProviderClient::new(),
@@ -55,6 +68,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         tool_call_limit: config.tool_call_limit,
         max_recoveries: config.max_recoveries,
         stream_throttle: config.stream_throttle,
+        approval_timeout: config.approval_timeout,
     });
     agentloop_shared::tokens::warm_up().await;
     tracing::info!(worker.id = %worker_id, concurrency = config.concurrency, "worker started");
@@ -76,8 +90,29 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     let slots = config.concurrency as usize;
     let mut pass_wanted = true;
     let mut next_timer = config.safety_poll;
+    // Approval deadlines (SPEC: undecided approvals expire): swept at start-up, when a run parks
+    // (`approval:<id>` notification), and when the earliest known deadline passes.
+    let mut approvals_check = true;
+    let mut approval_deadline: Option<Instant> = None;
 
     while !shutdown.is_cancelled() {
+        if approvals_check {
+            approvals_check = false;
+            match sweep_approvals(&pool).await {
+                Ok((expired, next_ms)) => {
+                    if expired > 0 {
+                        tracing::info!(expired, "tool approvals expired");
+                        metrics::counter!("agentloop_tool_approvals_expired_total").increment(expired as u64);
+                        pass_wanted = true;
+                    }
+                    approval_deadline = next_ms.map(|ms| Instant::now() + Duration::from_millis(ms.max(0) as u64 + 50));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "approval expiry sweep failed; retrying");
+                    approval_deadline = Some(Instant::now() + Duration::from_secs(1));
+                }
+            }
+        }
         if pass_wanted && slices.len() < slots {
             let free = slots - slices.len();
             match claim_pass(&pool, &worker_id, free, config.lease).await {
@@ -105,6 +140,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                 }
             }
         }
+        let approval_wait = approval_deadline.map_or(next_timer, |d| d.saturating_duration_since(Instant::now()));
         tokio::select! {
             _ = shutdown.cancelled() => break,
             event = notifications.recv() => match event {
@@ -114,6 +150,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                             control.abort(AbortReason::Cancel);
                         }
                     }
+                    Some(("approval", _)) => approvals_check = true,
                     _ => pass_wanted = true,
                 },
                 Some(ListenerEvent::Resync) => pass_wanted = true,
@@ -121,6 +158,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
             },
             Some(_) = slices.join_next(), if !slices.is_empty() => pass_wanted = true,
             _ = tokio::time::sleep(next_timer) => pass_wanted = true,
+            _ = tokio::time::sleep(approval_wait), if approval_deadline.is_some() => approvals_check = true,
         }
     }
 
@@ -137,6 +175,15 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     }
     listener_stop.cancel();
     Ok(())
+}
+
+/// The approval expiry sweep ([`approvals::expire_due`], one index probe when nothing is due)
+/// and the earliest pending deadline in ms from now.
+async fn sweep_approvals(pool: &PgPool) -> anyhow::Result<(usize, Option<i64>)> {
+    let mut conn = pool.get().await?;
+    let expired = approvals::expire_due(&mut conn, 100).await?;
+    let next = approvals::next_deadline_ms(&mut conn).await?;
+    Ok((expired, next))
 }
 
 /// One claim pass: claims up to `free` runs, then reads the earliest lease expiry of runs this

@@ -155,12 +155,58 @@ diesel::table! {
     }
 }
 
+diesel::table! {
+    tool_approvals (id) {
+        id -> Uuid,
+        run_id -> Uuid,
+        thread_id -> Uuid,
+        message_sequence -> Int8,
+        tool_call_id -> Text,
+        tool_name -> Text,
+        arguments -> Jsonb,
+        parameters -> Jsonb,
+        status -> Text,
+        approved_arguments -> Nullable<Jsonb>,
+        arguments_edited -> Bool,
+        reason -> Nullable<Text>,
+        decided_by -> Nullable<Uuid>,
+        deadline_at -> Timestamptz,
+        created_at -> Timestamptz,
+        decided_at -> Nullable<Timestamptz>,
+    }
+}
+
+diesel::table! {
+    operations (key) {
+        key -> Text,
+        run_id -> Uuid,
+        thread_id -> Uuid,
+        tool_call_id -> Text,
+        tool_name -> Text,
+        arguments -> Jsonb,
+        status -> Text,
+        result -> Nullable<Text>,
+        resolution -> Nullable<Text>,
+        resolved_by -> Nullable<Uuid>,
+        dispatches -> Int4,
+        lease_epoch -> Int8,
+        created_at -> Timestamptz,
+        updated_at -> Timestamptz,
+        dispatched_at -> Nullable<Timestamptz>,
+        finished_at -> Nullable<Timestamptz>,
+        resolved_at -> Nullable<Timestamptz>,
+    }
+}
+
 diesel::joinable!(api_keys -> principals (principal_id));
 diesel::joinable!(messages -> threads (thread_id));
 diesel::joinable!(runs -> threads (thread_id));
 diesel::joinable!(run_steps -> runs (run_id));
 diesel::joinable!(thread_events -> threads (thread_id));
+diesel::joinable!(tool_approvals -> runs (run_id));
+diesel::joinable!(operations -> runs (run_id));
 
 diesel::allow_tables_to_appear_in_same_query!(
     principals, api_keys, threads, messages, runs, run_steps, thread_events, command_receipts, context_snapshots,
+    tool_approvals, operations,
 );

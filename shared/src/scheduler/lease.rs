@@ -166,12 +166,22 @@ pub enum SliceEnd {
     Failed { code: String, message: String },
     /// Cancellation was requested and honoured.
     Cancelled,
+    /// A tool call needs a human decision: the run is `waiting_approval` (lease released) until
+    /// its approval batch is decided (SPEC §4; see [`crate::approvals`]).
+    WaitingApproval,
+    /// An operation's outcome is unknown: the run is `blocked` with error code
+    /// `operation_uncertain` and this message until it is resolved (SPEC §7).
+    Blocked { message: String },
 }
 
 /// Writes the end of a slice: step outcome and usage, run progress and status, streaming column
 /// cleared, FIFO promotion of the thread's next pending run, journal events and wake-ups.
 /// Must follow [`Lease::fence`] in the same transaction. `step_id` is `None` when the slice ended
 /// before its step row existed (e.g. abandoned on claim).
+///
+/// An end that stops the run's work early (cancelled, interrupted, failed) first turns the
+/// run's `dispatched` operations into `uncertain` (SPEC §7): if there are any, the run ends
+/// [`SliceEnd::Blocked`] instead.
 pub async fn end_slice(
     conn: &mut AsyncPgConnection,
     lease: &Lease,
@@ -179,12 +189,26 @@ pub async fn end_slice(
     usage: SliceUsage,
     end: &SliceEnd,
 ) -> diesel::QueryResult<Run> {
+    let blocked;
+    let end = if matches!(end, SliceEnd::Cancelled | SliceEnd::Interrupted | SliceEnd::Failed { .. }) {
+        let uncertain = crate::operations::mark_uncertain(conn, lease.run_id).await?;
+        if uncertain.is_empty() {
+            end
+        } else {
+            blocked = SliceEnd::Blocked { message: crate::operations::blocker_message(&uncertain) };
+            &blocked
+        }
+    } else {
+        end
+    };
     let (run_status, step_status, error): (&str, &str, Option<(&str, &str)>) = match end {
         SliceEnd::Completed => (status::COMPLETED, "completed", None),
         SliceEnd::Requeued => (status::QUEUED, "requeued", None),
         SliceEnd::Interrupted => (status::QUEUED, "interrupted", None),
         SliceEnd::Failed { code, message } => (status::FAILED, "failed", Some((code, message))),
         SliceEnd::Cancelled => (status::CANCELLED, "cancelled", None),
+        SliceEnd::WaitingApproval => (status::WAITING_APPROVAL, "waiting_approval", None),
+        SliceEnd::Blocked { message } => (status::BLOCKED, "blocked", Some((crate::operations::BLOCKED_CODE, message.as_str()))),
     };
     if let Some(step_id) = step_id {
         diesel::update(run_steps::table.find(step_id))
@@ -202,6 +226,7 @@ pub async fn end_slice(
             .await?;
     }
     let terminal = matches!(end, SliceEnd::Completed | SliceEnd::Failed { .. } | SliceEnd::Cancelled);
+    let requeued = matches!(end, SliceEnd::Requeued | SliceEnd::Interrupted);
     // An interrupted slice does not consume the budget: it will be redone under the same key.
     let steps_delta = i32::from(step_id.is_some() && !matches!(end, SliceEnd::Interrupted));
     let run: Run = diesel::update(runs::table.find(lease.run_id))
@@ -217,7 +242,7 @@ pub async fn end_slice(
             runs::error_message.eq(error.map(|e| e.1)),
             runs::finished_at.eq(terminal.then(Utc::now)),
             runs::queued_at.eq(diesel::dsl::sql::<diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>>(
-                if terminal { "queued_at" } else { "now()" },
+                if requeued { "now()" } else { "queued_at" },
             )),
             runs::updated_at.eq(diesel::dsl::now),
         ))
@@ -231,7 +256,7 @@ pub async fn end_slice(
     crate::runs::journal(conn, &run).await?;
     if terminal {
         crate::runs::promote_next_pending(conn, lease.thread_id).await?;
-    } else {
+    } else if requeued {
         events::notify_runs(conn, "queued", run.id).await?;
     }
     Ok(run)

@@ -1,12 +1,17 @@
 //! Tools the model may call: the [`Tool`] trait, the [`ToolRegistry`] that validates
-//! arguments and bounds results, and the built-in tools (`calculator`, `current_time`,
-//! `sleep`).
+//! arguments, bounds results and knows each tool's approval [`Policy`] and idempotency, the
+//! built-in tools (`calculator`, `current_time`, `sleep`), MCP servers ([`mcp`]) and HTTP tools
+//! ([`http`]) configured in the operator's tools file ([`config`]).
 //!
 //! Every failure a model can cause (unknown tool, bad arguments, tool error, cancellation)
 //! becomes an error [`ToolOutcome`] the model reads; nothing here panics on model input.
 
 pub mod builtin;
+pub mod config;
+pub mod http;
+pub mod mcp;
 
+use std::collections::HashMap;
 use std::{fmt, sync::Arc};
 
 use futures_util::future::BoxFuture;
@@ -15,6 +20,7 @@ use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
 pub use builtin::{BuiltinToolConfig, Calculator, CurrentTime, Sleep};
+pub use config::{Policy, ToolsConfig};
 
 /// Room reserved for the `\n…[N bytes omitted]…\n` marker of a cut result, in bytes.
 const OMISSION_MARKER_BYTES: usize = 48;
@@ -71,7 +77,8 @@ pub struct ToolOutcome {
 }
 
 impl ToolOutcome {
-    fn error(message: impl Into<String>) -> Self {
+    /// An error outcome with `message`.
+    pub fn error(message: impl Into<String>) -> Self {
         Self {
             content: message.into(),
             is_error: true,
@@ -84,6 +91,9 @@ impl ToolOutcome {
 pub struct ToolRegistry {
     tools: Vec<Arc<dyn Tool>>,
     max_result_bytes: usize,
+    settings: HashMap<String, config::ToolSettings>,
+    default_policy: Policy,
+    mcp: Vec<Arc<mcp::McpServer>>,
 }
 
 impl fmt::Debug for ToolRegistry {
@@ -94,6 +104,7 @@ impl fmt::Debug for ToolRegistry {
                 &self.tools.iter().map(|t| t.name()).collect::<Vec<_>>(),
             )
             .field("max_result_bytes", &self.max_result_bytes)
+            .field("mcp", &self.mcp)
             .finish()
     }
 }
@@ -104,7 +115,51 @@ impl ToolRegistry {
         Self {
             tools: Vec::new(),
             max_result_bytes,
+            settings: HashMap::new(),
+            default_policy: Policy::Auto,
+            mcp: Vec::new(),
         }
+    }
+
+    /// Applies the tools file: per-tool policies and idempotency overrides, the default policy,
+    /// its HTTP tools, and its MCP servers (not connected yet: see [`ToolRegistry::connect_mcp`]).
+    pub fn configure(&mut self, config: &ToolsConfig) {
+        self.settings = config.tools.clone();
+        self.default_policy = config.default_policy.unwrap_or_default();
+        let client = reqwest::Client::new();
+        for tool in &config.http_tools {
+            self.register(Arc::new(http::HttpTool::new(tool.clone(), client.clone())));
+        }
+        self.mcp = config.mcp_servers.iter().cloned().map(mcp::McpServer::new).collect();
+    }
+
+    /// Connects every MCP server once (concurrently; a server that is down is logged and
+    /// retried when one of its tools is called). Returns `(server, error)` for the failures.
+    pub async fn connect_mcp(&self) -> Vec<(String, String)> {
+        let attempts = self.mcp.iter().map(|server| async move { (server.name().to_owned(), server.connect(true).await) });
+        futures_util::future::join_all(attempts)
+            .await
+            .into_iter()
+            .filter_map(|(name, result)| result.err().map(|e| (name, e)))
+            .collect()
+    }
+
+    /// The approval policy of `name`: the tools file's entry, else its MCP server's default,
+    /// else the file's `defaultPolicy`, else `auto`.
+    pub fn policy(&self, name: &str) -> Policy {
+        if let Some(policy) = self.settings.get(name).and_then(|s| s.policy) {
+            return policy;
+        }
+        self.mcp.iter().find(|s| s.owns(name)).and_then(|s| s.policy()).unwrap_or(self.default_policy)
+    }
+
+    /// Whether calls of `name` skip the operations ledger: the tools file's `idempotent`, else
+    /// what the tool declares. Unknown tools count as idempotent (nothing runs).
+    pub fn is_idempotent(&self, name: &str) -> bool {
+        if let Some(flag) = self.settings.get(name).and_then(|s| s.idempotent) {
+            return flag;
+        }
+        self.get(name).is_none_or(|t| t.idempotent())
     }
 
     /// A registry with the built-in tools `calculator`, `current_time` and `sleep`.
@@ -126,10 +181,21 @@ impl ToolRegistry {
         }
     }
 
-    /// OpenAI tool specs: `[{"type":"function","function":{"name","description","parameters"}}]`.
+    /// Every tool currently offered: registered ones, then each connected MCP server's.
+    fn all(&self) -> Vec<Arc<dyn Tool>> {
+        let mut all = self.tools.clone();
+        for server in &self.mcp {
+            all.extend(server.tools().into_iter().map(|t| t as Arc<dyn Tool>));
+        }
+        all
+    }
+
+    /// OpenAI tool specs of the tools offered to a model call (all but `deny` ones):
+    /// `[{"type":"function","function":{"name","description","parameters"}}]`.
     pub fn specs(&self) -> Vec<Value> {
-        self.tools
+        self.all()
             .iter()
+            .filter(|tool| self.policy(tool.name()) != Policy::Deny)
             .map(|tool| {
                 serde_json::json!({
                     "type": "function",
@@ -144,32 +210,42 @@ impl ToolRegistry {
     }
 
     /// The tool with this name.
-    pub fn get(&self, name: &str) -> Option<&dyn Tool> {
-        self.tools
-            .iter()
-            .find(|t| t.name() == name)
-            .map(|t| t.as_ref())
+    pub fn get(&self, name: &str) -> Option<Arc<dyn Tool>> {
+        if let Some(tool) = self.tools.iter().find(|t| t.name() == name) {
+            return Some(tool.clone());
+        }
+        self.mcp.iter().find(|s| s.owns(name)).and_then(|s| s.find(name)).map(|t| t as Arc<dyn Tool>)
     }
 
-    /// Validates `raw_arguments` (the model's text; empty means `{}`) against the tool's
-    /// schema and runs it. Never fails: an unknown tool (`unknown tool: x`), arguments that are
-    /// not a JSON object, a missing required field, a wrong JSON type, a tool error or
-    /// cancellation of `ctx.cancel` (`cancelled`, returned promptly) give an error outcome.
-    /// Content longer than `max_result_bytes` keeps its head and tail around
-    /// `\n…[N bytes omitted]…\n`, cut on character boundaries.
-    pub async fn execute(&self, name: &str, raw_arguments: &str, ctx: ToolContext) -> ToolOutcome {
-        let Some(tool) = self.get(name) else {
-            return ToolOutcome::error(format!("unknown tool: {name}"));
-        };
-        let arguments = match parse_arguments(raw_arguments)
-            .and_then(|mut args| conform_arguments(&tool.parameters(), &mut args).map(|()| args))
+    /// Resolves `name` and validates `raw_arguments` against its schema, without running it.
+    /// An MCP tool whose server is down (or not listed yet) triggers one reconnection attempt.
+    /// Errors are the outcome the model reads (see [`ToolRegistry::execute`]).
+    pub async fn prepare(&self, name: &str, raw_arguments: &str) -> Result<(Arc<dyn Tool>, Value), ToolOutcome> {
+        let mut tool = self.get(name);
+        if tool.is_none()
+            && let Some(server) = self.mcp.iter().find(|s| s.owns(name))
         {
-            Ok(args) => Value::Object(args),
-            Err(problem) => {
-                let message = format!("invalid arguments for {name}: {problem}");
-                return ToolOutcome::error(truncate_middle(message, self.max_result_bytes));
+            if let Err(error) = server.connect(false).await {
+                return Err(ToolOutcome::error(truncate_middle(
+                    format!("MCP server `{}` is unavailable: {error}", server.name()),
+                    self.max_result_bytes,
+                )));
             }
+            tool = server.find(name).map(|t| t as Arc<dyn Tool>);
+        }
+        let Some(tool) = tool else {
+            return Err(ToolOutcome::error(format!("unknown tool: {name}")));
         };
+        match parse_arguments(raw_arguments).and_then(|mut args| conform_arguments(&tool.parameters(), &mut args).map(|()| args)) {
+            Ok(args) => Ok((tool, Value::Object(args))),
+            Err(problem) => {
+                Err(ToolOutcome::error(truncate_middle(format!("invalid arguments for {name}: {problem}"), self.max_result_bytes)))
+            }
+        }
+    }
+
+    /// Runs a tool on arguments [`ToolRegistry::prepare`] validated; bounds the result.
+    pub async fn invoke(&self, tool: &dyn Tool, arguments: Value, ctx: ToolContext) -> ToolOutcome {
         let cancel = ctx.cancel.clone();
         let result = tokio::select! {
             biased;
@@ -180,11 +256,39 @@ impl ToolRegistry {
             Ok(text) => (text, false),
             Err(error) => (error.to_string(), true),
         };
-        ToolOutcome {
-            content: truncate_middle(content, self.max_result_bytes),
-            is_error,
+        ToolOutcome { content: truncate_middle(content, self.max_result_bytes), is_error }
+    }
+
+    /// Bounds `text` like a tool result (head and tail around an omission marker).
+    pub fn bound(&self, text: String) -> String {
+        truncate_middle(text, self.max_result_bytes)
+    }
+
+    /// Validates `raw_arguments` (the model's text; empty means `{}`) against the tool's
+    /// schema and runs it. Never fails: an unknown tool (`unknown tool: x`), arguments that are
+    /// not a JSON object, a missing required field, a wrong JSON type, a tool error or
+    /// cancellation of `ctx.cancel` (`cancelled`, returned promptly) give an error outcome.
+    /// Content longer than `max_result_bytes` keeps its head and tail around
+    /// `\n…[N bytes omitted]…\n`, cut on character boundaries.
+    pub async fn execute(&self, name: &str, raw_arguments: &str, ctx: ToolContext) -> ToolOutcome {
+        match self.prepare(name, raw_arguments).await {
+            Ok((tool, arguments)) => self.invoke(tool.as_ref(), arguments, ctx).await,
+            Err(outcome) => outcome,
         }
     }
+}
+
+/// Validates an argument object against a tool's JSON `schema` the way the registry does
+/// (the schema's `required` list and `properties.*.type`; whole floats in `integer` fields
+/// become integers). Returns the conformed object, or the problem as text. Used by the api for
+/// arguments a user edited before approving (with the schema stored on the approval).
+pub fn validate_arguments(schema: &Value, arguments: &Value) -> Result<Value, String> {
+    let Value::Object(args) = arguments else {
+        return Err("expected a JSON object".to_owned());
+    };
+    let mut args = args.clone();
+    conform_arguments(schema, &mut args)?;
+    Ok(Value::Object(args))
 }
 
 /// Parses the model's argument text into an object (empty or blank text is `{}`).

@@ -1,0 +1,256 @@
+//! MCP servers as tool sources, through the official Rust SDK `rmcp` (client side): streamable
+//! HTTP and stdio (child process) transports.
+//!
+//! Each configured server is one [`McpServer`]: it connects lazily (at worker start-up and again
+//! after a failure, at most every [`RECONNECT_BACKOFF`]), lists its tools and offers them to the
+//! model as `<server>__<tool>` with their JSON schemas. A call passes the run's stable operation
+//! key as the request's `_meta.idempotencyKey` (SPEC §7). A server that is down never fails a run:
+//! the call becomes an error result the model reads (`MCP server `x` is unavailable: ...`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use futures_util::future::BoxFuture;
+use rmcp::model::{CallToolRequestParams, CallToolResult, ContentBlock, MetaObject, RequestMetaObject};
+use rmcp::service::{Peer, RoleClient, RunningService, ServiceExt};
+use serde_json::{Map, Value};
+
+use super::config::{McpServerConfig, McpTransport};
+use super::{Tool, ToolContext, ToolError};
+
+/// Minimum pause between two connection attempts to a server that failed.
+pub const RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
+
+/// `_meta` key carrying the operation key of a call.
+pub const IDEMPOTENCY_META_KEY: &str = "idempotencyKey";
+
+type Client = RunningService<RoleClient, ()>;
+
+/// Connection state of a server.
+#[derive(Default)]
+struct State {
+    client: Option<Client>,
+    last_error: Option<String>,
+    last_attempt: Option<Instant>,
+}
+
+/// One configured MCP server and the tools it offers.
+pub struct McpServer {
+    config: McpServerConfig,
+    state: tokio::sync::Mutex<State>,
+    tools: RwLock<Vec<Arc<McpTool>>>,
+    this: Weak<McpServer>,
+}
+
+impl std::fmt::Debug for McpServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("McpServer").field("name", &self.config.name).finish()
+    }
+}
+
+impl McpServer {
+    /// A server handle for `config` (not connected yet; see [`McpServer::connect`]).
+    pub fn new(config: McpServerConfig) -> Arc<Self> {
+        Arc::new_cyclic(|this| Self { config, state: tokio::sync::Mutex::default(), tools: RwLock::default(), this: this.clone() })
+    }
+
+    /// The configured name.
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    /// The default policy of this server's tools, if configured.
+    pub fn policy(&self) -> Option<super::config::Policy> {
+        self.config.policy
+    }
+
+    /// Whether `tool_name` is in this server's namespace (`<name>__...`).
+    pub fn owns(&self, tool_name: &str) -> bool {
+        tool_name.strip_prefix(self.config.name.as_str()).is_some_and(|rest| rest.starts_with("__"))
+    }
+
+    /// The tools listed at the last successful connection.
+    pub fn tools(&self) -> Vec<Arc<McpTool>> {
+        self.tools.read().expect("mcp tools lock").clone()
+    }
+
+    /// The tool called `name` (`<server>__<tool>`), if listed.
+    pub fn find(&self, name: &str) -> Option<Arc<McpTool>> {
+        self.tools.read().expect("mcp tools lock").iter().find(|t| t.name == name).cloned()
+    }
+
+    /// Connects (unless connected) and refreshes the tool list. With `force` a failed server is
+    /// retried at once, else at most every [`RECONNECT_BACKOFF`]. Errors are the reason the
+    /// server is unavailable.
+    pub async fn connect(&self, force: bool) -> Result<(), String> {
+        let mut state = self.state.lock().await;
+        if state.client.as_ref().is_some_and(|c| !c.is_closed()) {
+            return Ok(());
+        }
+        if !force && state.last_attempt.is_some_and(|t| t.elapsed() < RECONNECT_BACKOFF) {
+            return Err(state.last_error.clone().unwrap_or_else(|| "not connected".into()));
+        }
+        state.last_attempt = Some(Instant::now());
+        let timeout = Duration::from_millis(self.config.connect_timeout_ms.unwrap_or(10_000));
+        let result = match tokio::time::timeout(timeout, self.open()).await {
+            Ok(Ok((client, tools))) => {
+                *self.tools.write().expect("mcp tools lock") = tools;
+                state.client = Some(client);
+                state.last_error = None;
+                tracing::info!(mcp.server = %self.config.name, tools = self.tools().len(), "MCP server connected");
+                Ok(())
+            }
+            Ok(Err(error)) => Err(error),
+            Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
+        };
+        if let Err(error) = &result {
+            tracing::warn!(mcp.server = %self.config.name, %error, "MCP server unavailable");
+            state.client = None;
+            state.last_error = Some(error.clone());
+        }
+        result
+    }
+
+    async fn open(&self) -> Result<(Client, Vec<Arc<McpTool>>), String> {
+        let client: Client = match self.config.transport {
+            McpTransport::Http => {
+                use rmcp::transport::StreamableHttpClientTransport;
+                use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+                let url = self.config.url.clone().unwrap_or_default();
+                let mut headers = HashMap::new();
+                for (name, value) in &self.config.headers {
+                    let name = reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| format!("header {name}: {e}"))?;
+                    let value = reqwest::header::HeaderValue::from_str(value).map_err(|e| format!("header {name}: {e}"))?;
+                    headers.insert(name, value);
+                }
+                let config = StreamableHttpClientTransportConfig::with_uri(url).custom_headers(headers);
+                let transport = StreamableHttpClientTransport::from_config(config);
+                ().serve(transport).await.map_err(|e| format!("cannot connect: {e}"))?
+            }
+            McpTransport::Stdio => {
+                let mut command = tokio::process::Command::new(self.config.command.clone().unwrap_or_default());
+                command.args(&self.config.args).envs(&self.config.env).kill_on_drop(true);
+                let transport = rmcp::transport::TokioChildProcess::new(command).map_err(|e| format!("cannot start: {e}"))?;
+                ().serve(transport).await.map_err(|e| format!("cannot connect: {e}"))?
+            }
+        };
+        let listed = client.list_all_tools().await.map_err(|e| format!("cannot list tools: {e}"))?;
+        let tools = listed
+            .into_iter()
+            .map(|tool| {
+                let hints = tool.annotations.as_ref();
+                let declared_idempotent =
+                    hints.is_some_and(|a| a.read_only_hint == Some(true) || a.idempotent_hint == Some(true));
+                Arc::new(McpTool {
+                    server: self.this.clone(),
+                    name: format!("{}__{}", self.config.name, tool.name),
+                    remote: tool.name.to_string(),
+                    description: tool.description.as_deref().unwrap_or_default().to_owned(),
+                    schema: Value::Object((*tool.input_schema).clone()),
+                    declared_idempotent,
+                })
+            })
+            .collect();
+        Ok((client, tools))
+    }
+
+    async fn peer(&self) -> Result<Peer<RoleClient>, String> {
+        self.connect(false).await?;
+        let state = self.state.lock().await;
+        state.client.as_ref().map(|c| c.peer().clone()).ok_or_else(|| "not connected".to_owned())
+    }
+
+    async fn forget(&self) {
+        let mut state = self.state.lock().await;
+        state.client = None;
+    }
+
+    /// Calls `remote` with `args`; the result text, or a tool error the model can read.
+    async fn call(&self, remote: &str, args: Value, key: &str) -> Result<String, ToolError> {
+        let name = &self.config.name;
+        let peer = self.peer().await.map_err(|e| ToolError::Failed(format!("MCP server `{name}` is unavailable: {e}")))?;
+        let arguments = match args {
+            Value::Object(map) => map,
+            _ => Map::new(),
+        };
+        let mut meta = Map::new();
+        meta.insert(IDEMPOTENCY_META_KEY.into(), Value::String(key.to_owned()));
+        let mut params = CallToolRequestParams::new(remote.to_owned()).with_arguments(arguments);
+        params.meta = Some(RequestMetaObject(MetaObject(meta)));
+        let timeout = Duration::from_millis(self.config.call_timeout_ms.unwrap_or(300_000));
+        match tokio::time::timeout(timeout, peer.call_tool(params)).await {
+            Ok(Ok(result)) => result_text(result),
+            Ok(Err(error)) => {
+                if !matches!(error, rmcp::service::ServiceError::McpError(_)) {
+                    self.forget().await;
+                }
+                Err(ToolError::Failed(format!("MCP server `{name}` failed the call: {error}")))
+            }
+            Err(_) => Err(ToolError::Failed(format!("MCP server `{name}` did not answer within {} ms", timeout.as_millis()))),
+        }
+    }
+}
+
+/// Text of a tool result: its text blocks joined by newlines (other blocks as placeholders),
+/// else its structured content; `isError` makes it a tool error.
+fn result_text(result: CallToolResult) -> Result<String, ToolError> {
+    let mut parts = Vec::new();
+    for block in &result.content {
+        match block {
+            ContentBlock::Text(text) => parts.push(text.text.clone()),
+            ContentBlock::Image(image) => parts.push(format!("[image {}]", image.mime_type)),
+            ContentBlock::Audio(audio) => parts.push(format!("[audio {}]", audio.mime_type)),
+            _ => parts.push("[resource]".to_owned()),
+        }
+    }
+    let mut text = parts.join("\n");
+    if text.is_empty() {
+        if let Some(structured) = &result.structured_content {
+            text = structured.to_string();
+        }
+    }
+    if result.is_error == Some(true) { Err(ToolError::Failed(text)) } else { Ok(text) }
+}
+
+/// A tool listed by an MCP server.
+#[derive(Debug)]
+pub struct McpTool {
+    server: Weak<McpServer>,
+    /// `<server>__<tool>`.
+    name: String,
+    /// The tool's own name on its server.
+    remote: String,
+    description: String,
+    schema: Value,
+    declared_idempotent: bool,
+}
+
+impl Tool for McpTool {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn description(&self) -> &str {
+        &self.description
+    }
+
+    fn parameters(&self) -> Value {
+        self.schema.clone()
+    }
+
+    /// From the server's `readOnlyHint`/`idempotentHint` annotations (the tools file may
+    /// override it).
+    fn idempotent(&self) -> bool {
+        self.declared_idempotent
+    }
+
+    fn call(&self, args: Value, ctx: ToolContext) -> BoxFuture<'static, Result<String, ToolError>> {
+        let server = self.server.upgrade();
+        let remote = self.remote.clone();
+        Box::pin(async move {
+            let server = server.ok_or_else(|| ToolError::Failed("MCP server is gone".into()))?;
+            server.call(&remote, args, &ctx.idempotency_key).await
+        })
+    }
+}

@@ -1,0 +1,1191 @@
+//! `bench-scheduler`: the scheduler benchmark of issue 3, from ONE run on ONE PostgreSQL.
+//!
+//! ```text
+//! cargo build --release --workspace
+//! cargo run --release -p agentloop-tests --bin bench-scheduler -- [--runs 20000] [--latency-runs 1000]
+//! ```
+//!
+//! It spawns the release binaries next to itself (`target/release/agentloop-api`,
+//! `agentloop-worker`, `mock-model`), creates its own database from `TEST_DATABASE_URL`
+//! (default `postgres://postgres@127.0.0.1:5432/postgres`, a superuser), migrates it with
+//! `agentloop-worker migrate`, and prints:
+//!
+//! 1. claim + complete throughput: `--runs` runs (threads, user messages and `queued` runs
+//!    inserted directly with SQL in big batches) answered by the zero-latency mock model
+//!    (`You said: ...`, one slice, no tool call) by `--workers` worker processes of
+//!    `--concurrency` slots each, timed from spawning the workers until a 200 ms poll finds no
+//!    run left that is not terminal;
+//! 2. `pgbench -N` TPS at the same client count (workers x concurrency) on the same server, run
+//!    just before and just after (1), and the ratio of (1) to it;
+//! 3. enqueue-to-slice-start latency over `--latency-runs` single runs posted one at a time
+//!    through the HTTP API with idle workers (`runs.started_at - runs.created_at` and the step
+//!    row's `started_at`, from the database; plus what a client sees: POST -> 202 and
+//!    POST -> the SSE `run` event with status `running`);
+//! 4. SQL per run: transactions per run from `pg_stat_database.xact_commit` over phase (1)
+//!    (minus the benchmark's own polls), statements and round trips per run counted by a
+//!    protocol-level proxy between the workers and PostgreSQL over `--statement-runs` runs
+//!    (and by `pg_stat_statements` over phase (1) when the server preloads it).
+//!
+//! Every process it starts and both databases it creates are removed at the end, on error, and
+//! on SIGINT/SIGTERM. Process logs go to `test-output/bench-scheduler/`.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use agentloop_tests::{Proc, Sig, admin_url, bin_dir, free_port, install_crypto};
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use clap::Parser;
+use eventsource_stream::Eventsource;
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_postgres::NoTls;
+use uuid::Uuid;
+
+/// Scheduler benchmark: claim+complete throughput vs pgbench, enqueue-to-start latency, SQL per run.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "bench-scheduler")]
+struct Args {
+    /// Runs of the throughput phase.
+    #[arg(long, default_value_t = 20_000)]
+    runs: u32,
+    /// Worker processes.
+    #[arg(long, default_value_t = 2)]
+    workers: u32,
+    /// Slots per worker process (WORKER_CONCURRENCY); pgbench uses workers x concurrency clients.
+    #[arg(long, default_value_t = 4)]
+    concurrency: u32,
+    /// Single runs of the latency phase (posted one at a time through the API).
+    #[arg(long, default_value_t = 1_000)]
+    latency_runs: u32,
+    /// Runs of the statement-count phase (through the counting proxy); 0 skips it.
+    #[arg(long, default_value_t = 1_000)]
+    statement_runs: u32,
+    /// Duration of each pgbench run, seconds; 0 skips pgbench.
+    #[arg(long, default_value_t = 20)]
+    pgbench_seconds: u32,
+    /// pgbench scale factor.
+    #[arg(long, default_value_t = 10)]
+    pgbench_scale: u32,
+    /// Runs inserted per SQL statement when enqueueing.
+    #[arg(long, default_value_t = 2_000)]
+    batch: u32,
+}
+
+const USER_TEXT: &str = "hello from the scheduler benchmark";
+const TERMINAL_SQL: &str = "SELECT count(*) FROM runs WHERE status NOT IN ('completed','failed','cancelled')";
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+            eprintln!("error: cannot install signal handlers");
+            return ExitCode::FAILURE;
+        };
+        // The bench runs in its own task: on a signal it is aborted, which drops (kills) every
+        // child process and drops (DROP DATABASE ... WITH (FORCE)) every database it created.
+        let mut task = tokio::spawn(bench(args));
+        let interrupted = tokio::select! {
+            result = &mut task => {
+                return match result {
+                    Ok(Ok(())) => ExitCode::SUCCESS,
+                    Ok(Err(e)) => {
+                        eprintln!("error: {e:#}");
+                        ExitCode::FAILURE
+                    }
+                    Err(e) => {
+                        eprintln!("error: the benchmark task failed: {e}");
+                        ExitCode::FAILURE
+                    }
+                };
+            }
+            _ = int.recv() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        };
+        task.abort();
+        let _ = task.await;
+        eprintln!("{interrupted}: stopped every process and dropped the databases");
+        ExitCode::from(130)
+    })
+}
+
+fn log(msg: impl AsRef<str>) {
+    eprintln!("[bench] {}", msg.as_ref());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Databases, processes, binaries
+
+fn url_for(db: &str) -> String {
+    let admin = admin_url();
+    let (base, _) = admin.rsplit_once('/').expect("TEST_DATABASE_URL has a database path");
+    let query = admin.split_once('?').map(|(_, q)| format!("?{q}")).unwrap_or_default();
+    format!("{base}/{db}{query}")
+}
+
+async fn connect(url: &str) -> Result<tokio_postgres::Client> {
+    let (client, conn) = tokio_postgres::connect(url, NoTls).await.with_context(|| format!("connecting to {url}"))?;
+    tokio::spawn(conn);
+    Ok(client)
+}
+
+/// A database of the benchmark, dropped (`WITH (FORCE)`) when the value is dropped.
+struct Database {
+    name: String,
+    url: String,
+}
+
+impl Database {
+    async fn create(prefix: &str) -> Result<Self> {
+        let name = format!("{prefix}_{}", Uuid::new_v4().simple());
+        let admin = connect(&admin_url()).await.context("TEST_DATABASE_URL must be a superuser that may CREATE DATABASE")?;
+        // The guard exists before CREATE, so even a half-done creation is cleaned up.
+        let db = Self { url: url_for(&name), name };
+        admin.batch_execute(&format!("CREATE DATABASE {}", db.name)).await?;
+        Ok(db)
+    }
+}
+
+impl Drop for Database {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            rt.block_on(async move {
+                if let Ok(admin) = connect(&admin_url()).await {
+                    let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+fn bin(name: &str) -> Result<PathBuf> {
+    let path = bin_dir().join(name);
+    ensure!(path.exists(), "{} is missing: run `cargo build --release --workspace` first", path.display());
+    Ok(path)
+}
+
+fn log_dir() -> Result<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../test-output/bench-scheduler");
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn spawn_logged(name: &str, mut cmd: Command) -> Result<Proc> {
+    let log = std::fs::File::create(log_dir()?.join(format!("{name}.log")))?;
+    cmd.stdout(Stdio::from(log.try_clone()?)).stderr(Stdio::from(log)).stdin(Stdio::null());
+    let child = cmd.spawn().with_context(|| format!("spawning {name}"))?;
+    Ok(Proc { name: name.to_owned(), child })
+}
+
+/// Starts the mock model; returns its URL and process.
+fn start_mock() -> Result<(String, Proc)> {
+    let log = std::fs::File::create(log_dir()?.join("mock-model.log"))?;
+    let mut child = Command::new(bin("mock-model")?)
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log))
+        .stdin(Stdio::null())
+        .spawn()
+        .context("spawning mock-model")?;
+    let stdout = child.stdout.take().context("mock stdout")?;
+    let proc = Proc { name: "mock-model".into(), child };
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    let url = line.trim().strip_prefix("MOCK_MODEL_URL=").context("mock-model did not print its URL")?.to_owned();
+    Ok((url, proc))
+}
+
+struct Env {
+    db: Database,
+    mock_url: String,
+    mock: Proc,
+    key: String,
+    principal: Uuid,
+    args: Args,
+    next_worker: usize,
+}
+
+impl Env {
+    fn spawn_workers(&mut self, database_url: &str) -> Result<Vec<Proc>> {
+        (0..self.args.workers)
+            .map(|_| {
+                let n = self.next_worker;
+                self.next_worker += 1;
+                let mut cmd = Command::new(bin("agentloop-worker")?);
+                cmd.arg("run")
+                    .env("DATABASE_URL", database_url)
+                    .env("MODEL_BASE_URL", format!("{}/v1", self.mock_url))
+                    .env("MODEL_NAME", "mock")
+                    .env("WORKER_ID", format!("bench-w{n}"))
+                    .env("WORKER_CONCURRENCY", self.args.concurrency.to_string())
+                    .env("RUST_LOG", "warn");
+                spawn_logged(&format!("worker-{n}"), cmd)
+            })
+            .collect()
+    }
+
+    fn spawn_api(&self, port: u16) -> Result<Proc> {
+        let mut cmd = Command::new(bin("agentloop-api")?);
+        cmd.arg("run")
+            .env("DATABASE_URL", &self.db.url)
+            .env("API_LISTEN", format!("127.0.0.1:{port}"))
+            .env("MODEL_BASE_URL", format!("{}/v1", self.mock_url))
+            .env("MODEL_NAME", "mock")
+            .env("API_WORKERS", "2")
+            .env("RUST_LOG", "warn");
+        spawn_logged("api", cmd)
+    }
+}
+
+/// SIGTERM, then waits (up to 20 s) for every process to exit; they are SIGKILLed on drop
+/// otherwise.
+async fn stop(procs: &mut [Proc]) {
+    for p in procs.iter() {
+        p.signal(Sig::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for p in procs.iter_mut() {
+        while Instant::now() < deadline && !matches!(p.child.try_wait(), Ok(Some(_))) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+async fn admin_verb(args: &[&str], database_url: &str) -> Result<String> {
+    let out = tokio::process::Command::new(bin("agentloop-worker")?)
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .output()
+        .await?;
+    ensure!(out.status.success(), "agentloop-worker {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8(out.stdout)?.trim().to_owned())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Machine conditions
+
+/// (busy, total) jiffies of all CPUs from /proc/stat.
+fn machine_jiffies() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let fields: Vec<u64> =
+        stat.lines().next().unwrap_or_default().split_whitespace().skip(1).filter_map(|f| f.parse().ok()).collect();
+    let total: u64 = fields.iter().take(8).sum();
+    let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
+    (total.saturating_sub(idle), total)
+}
+
+/// CPU seconds (user + system) used so far by process `pid` (USER_HZ = 100).
+fn process_cpu_secs(pid: i32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    (ticks(11) + ticks(12)) as f64 / 100.0
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+fn cpus() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// CPU use during a phase: the machine's busy cores, and cores used by the listed processes.
+struct CpuWindow {
+    start: Instant,
+    machine: (u64, u64),
+    procs: Vec<(String, i32, f64)>,
+}
+
+impl CpuWindow {
+    fn begin(procs: &[(&str, i32)]) -> Self {
+        Self {
+            start: Instant::now(),
+            machine: machine_jiffies(),
+            procs: procs.iter().map(|(n, pid)| ((*n).to_owned(), *pid, process_cpu_secs(*pid))).collect(),
+        }
+    }
+
+    /// "machine 1.95 of 2 cores busy; workers 0.62 cores, mock-model 0.11 cores".
+    fn end(&self) -> String {
+        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
+        let (busy, total) = machine_jiffies();
+        let frac = (busy - self.machine.0) as f64 / ((total - self.machine.1) as f64).max(1.0);
+        let mut by_name: Vec<(String, f64)> = Vec::new();
+        for (name, pid, before) in &self.procs {
+            let used = process_cpu_secs(*pid) - before;
+            match by_name.iter_mut().find(|(n, _)| n == name) {
+                Some((_, v)) => *v += used,
+                None => by_name.push((name.clone(), used)),
+            }
+        }
+        let parts: Vec<String> = by_name.iter().map(|(n, v)| format!("{n} {:.2}", v / secs)).collect();
+        format!("machine {:.2} of {} cores busy; cores used by {}", frac * cpus() as f64, cpus(), parts.join(", "))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Enqueue, polls, statistics
+
+/// One statement per batch: `$2` threads, each with one user message and one `queued` run.
+/// No journal rows and no NOTIFY (a worker started afterwards claims at start-up).
+const ENQUEUE_SQL: &str = "
+WITH t AS (
+    INSERT INTO threads (id, owner_id, title, message_count, last_sequence, last_timestamp_ms)
+    SELECT gen_random_uuid(), $1, 'bench', 1, 1, (extract(epoch from clock_timestamp()) * 1000)::bigint
+    FROM generate_series(1, $2::int)
+    RETURNING id, last_timestamp_ms
+), m AS (
+    INSERT INTO messages (thread_id, sequence, timestamp_ms, role, content, token_estimate, byte_size)
+    SELECT id, 1, last_timestamp_ms, 'user', to_jsonb($3::text), 10, length($3::text) + 2 FROM t
+)
+INSERT INTO runs (id, thread_id, principal_id, status, model, queued_at)
+SELECT gen_random_uuid(), id, $1, 'queued', 'mock', now() FROM t";
+
+async fn enqueue(db_url: &str, principal: Uuid, runs: u32, batch: u32, notify: bool) -> Result<Duration> {
+    let client = connect(db_url).await?;
+    let started = Instant::now();
+    let stmt = client.prepare(ENQUEUE_SQL).await?;
+    let mut left = runs;
+    while left > 0 {
+        let k = left.min(batch.max(1));
+        client.execute(&stmt, &[&principal, &(k as i32), &USER_TEXT]).await?;
+        left -= k;
+    }
+    if notify {
+        // Idle workers sleep on LISTEN: any `agentloop_runs` payload but `cancel:` triggers a claim pass.
+        client.batch_execute("SELECT pg_notify('agentloop_runs', 'queued:bulk')").await?;
+    }
+    Ok(started.elapsed())
+}
+
+/// Polls every 200 ms until no run is left that is not terminal; fails if a worker exits or
+/// nothing progresses for 120 s. Returns the number of polls issued.
+async fn wait_all_terminal(poller: &tokio_postgres::Client, workers: &mut [Proc], total: u32) -> Result<u64> {
+    let poll = poller.prepare(TERMINAL_SQL).await?;
+    let mut polls = 1u64; // the preparation is a transaction of its own too
+    let mut last = (i64::MAX, Instant::now());
+    let mut reported = Instant::now();
+    loop {
+        let left: i64 = poller.query_one(&poll, &[]).await?.get(0);
+        polls += 1;
+        if left == 0 {
+            return Ok(polls);
+        }
+        if left < last.0 {
+            last = (left, Instant::now());
+        } else if last.1.elapsed() > Duration::from_secs(120) {
+            bail!("{left} runs made no progress for 120 s");
+        }
+        for w in workers.iter_mut() {
+            if let Ok(Some(status)) = w.child.try_wait() {
+                bail!("{} exited ({status}); see test-output/bench-scheduler/{}.log", w.name, w.name);
+            }
+        }
+        if reported.elapsed() > Duration::from_secs(5) {
+            log(format!("  {} of {total} runs done", i64::from(total) - left));
+            reported = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `(xact_commit, xact_rollback)` of database `db`, read by the admin connection (another
+/// database, so the read itself is not counted).
+async fn xacts(admin: &tokio_postgres::Client, db: &str) -> Result<(i64, i64)> {
+    admin.batch_execute("SELECT pg_stat_clear_snapshot()").await?;
+    let row = admin.query_one("SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = $1", &[&db]).await?;
+    Ok((row.get(0), row.get(1)))
+}
+
+/// Whether `pg_stat_statements` works in `db` (it needs `shared_preload_libraries`).
+async fn pg_stat_statements_available(client: &tokio_postgres::Client) -> bool {
+    client.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements").await.is_ok()
+        && client.query_one("SELECT count(*) FROM pg_stat_statements", &[]).await.is_ok()
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// "p50 1.23 ms, p99 4.56 ms, max 7.89 ms (n=1000)".
+fn dist(mut values: Vec<f64>) -> String {
+    values.sort_by(|a, b| a.total_cmp(b));
+    if values.is_empty() {
+        return "no samples".into();
+    }
+    format!(
+        "p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (n={})",
+        percentile(&values, 50.0),
+        percentile(&values, 99.0),
+        values[values.len() - 1],
+        values.len()
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// pgbench
+
+fn pgbench_path() -> Result<PathBuf> {
+    if let Ok(p) = std::env::var("PGBENCH") {
+        return Ok(PathBuf::from(p));
+    }
+    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| {
+                    let version = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+                    let path = e.path().join("bin/pgbench");
+                    path.exists().then_some((version, path))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    found.sort();
+    match found.pop() {
+        Some((_, p)) => Ok(p),
+        None => Ok(PathBuf::from("pgbench")),
+    }
+}
+
+async fn pgbench_init(pgbench: &Path, url: &str, scale: u32) -> Result<()> {
+    let out = tokio::process::Command::new(pgbench)
+        .args(["-i", "-q", "-s", &scale.to_string(), url])
+        .kill_on_drop(true)
+        .output()
+        .await
+        .with_context(|| format!("running {}", pgbench.display()))?;
+    ensure!(out.status.success(), "pgbench -i failed: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(())
+}
+
+async fn pgbench_tps(pgbench: &Path, url: &str, clients: u32, seconds: u32) -> Result<f64> {
+    let threads = (cpus() as u32).clamp(1, clients.max(1));
+    let out = tokio::process::Command::new(pgbench)
+        .args(["-N", "-c", &clients.to_string(), "-j", &threads.to_string(), "-T", &seconds.to_string(), url])
+        .kill_on_drop(true)
+        .output()
+        .await?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    ensure!(out.status.success(), "pgbench failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+    text.lines()
+        .find_map(|l| l.strip_prefix("tps = ").and_then(|r| r.split_whitespace().next()).and_then(|v| v.parse().ok()))
+        .ok_or_else(|| anyhow!("no `tps = ` line in pgbench output: {text}"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Statement counting proxy
+
+/// Statements seen by the proxy (frontend messages only; the backend stream is copied as is).
+#[derive(Debug, Clone, Default)]
+struct Wire {
+    /// Executed statements by normalized text (Execute of a portal, or each `;`-separated part
+    /// of a simple Query).
+    statements: HashMap<String, u64>,
+    /// Parse messages (statement preparations).
+    parses: u64,
+    /// Sync + simple Query messages: one client-server round trip each.
+    round_trips: u64,
+    /// Logical transactions: `BEGIN` blocks, plus each statement executed outside one.
+    transactions: u64,
+}
+
+impl Wire {
+    fn executed(&self) -> u64 {
+        self.statements.values().sum()
+    }
+
+    fn minus(&self, before: &Wire) -> Wire {
+        let statements = self
+            .statements
+            .iter()
+            .map(|(k, v)| (k.clone(), v - before.statements.get(k).copied().unwrap_or(0)))
+            .filter(|(_, v)| *v > 0)
+            .collect();
+        Wire {
+            statements,
+            parses: self.parses - before.parses,
+            round_trips: self.round_trips - before.round_trips,
+            transactions: self.transactions - before.transactions,
+        }
+    }
+}
+
+/// Incremental parser of one connection's frontend messages.
+#[derive(Default)]
+struct FrontendParser {
+    buf: Vec<u8>,
+    started: bool,
+    broken: bool,
+    in_block: bool,
+    prepared: HashMap<String, String>,
+    portals: HashMap<String, String>,
+}
+
+fn cstr(body: &[u8], at: &mut usize) -> String {
+    let rest = body.get(*at..).unwrap_or_default();
+    let end = rest.iter().position(|b| *b == 0).unwrap_or(rest.len());
+    *at += end + 1;
+    String::from_utf8_lossy(&rest[..end]).into_owned()
+}
+
+fn normalize(sql: &str) -> String {
+    sql.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+impl FrontendParser {
+    fn feed(&mut self, bytes: &[u8], wire: &Mutex<Wire>) {
+        if self.broken {
+            return;
+        }
+        self.buf.extend_from_slice(bytes);
+        let mut pos = 0;
+        loop {
+            let rest = &self.buf[pos..];
+            if !self.started {
+                // Startup phase: untyped messages (SSLRequest/GSSENCRequest, then StartupMessage).
+                if rest.len() < 8 {
+                    break;
+                }
+                let len = u32::from_be_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+                if len < 8 {
+                    self.broken = true;
+                    break;
+                }
+                if rest.len() < len {
+                    break;
+                }
+                let code = u32::from_be_bytes([rest[4], rest[5], rest[6], rest[7]]);
+                if code != 80_877_103 && code != 80_877_104 {
+                    self.started = true;
+                }
+                pos += len;
+            } else {
+                if rest.len() < 5 {
+                    break;
+                }
+                let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+                if len < 4 {
+                    self.broken = true;
+                    break;
+                }
+                if rest.len() < 1 + len {
+                    break;
+                }
+                let kind = rest[0];
+                let body = rest[5..1 + len].to_vec();
+                pos += 1 + len;
+                self.message(kind, &body, wire);
+            }
+        }
+        self.buf.drain(..pos);
+    }
+
+    fn message(&mut self, kind: u8, body: &[u8], wire: &Mutex<Wire>) {
+        let mut at = 0;
+        let mut wire = wire.lock().expect("wire lock");
+        match kind {
+            b'Q' => {
+                wire.round_trips += 1;
+                for part in cstr(body, &mut at).split(';').map(str::trim).filter(|p| !p.is_empty()) {
+                    let query = normalize(part);
+                    self.count(&mut wire, query);
+                }
+            }
+            b'P' => {
+                let name = cstr(body, &mut at);
+                let query = cstr(body, &mut at);
+                self.prepared.insert(name, normalize(&query));
+                wire.parses += 1;
+            }
+            b'B' => {
+                let portal = cstr(body, &mut at);
+                let statement = cstr(body, &mut at);
+                let query = self.prepared.get(&statement).cloned().unwrap_or_else(|| "<unknown statement>".into());
+                self.portals.insert(portal, query);
+            }
+            b'E' => {
+                let portal = cstr(body, &mut at);
+                let query = self.portals.get(&portal).cloned().unwrap_or_else(|| "<unknown portal>".into());
+                self.count(&mut wire, query);
+            }
+            b'S' => wire.round_trips += 1,
+            _ => {}
+        }
+    }
+
+    /// Counts one executed statement and tracks transaction blocks.
+    fn count(&mut self, wire: &mut Wire, query: String) {
+        let upper = query.to_ascii_uppercase();
+        let word = upper.split_whitespace().next().unwrap_or_default();
+        match word {
+            "BEGIN" | "START" => {
+                self.in_block = true;
+                wire.transactions += 1;
+            }
+            "COMMIT" | "END" | "ABORT" => self.in_block = false,
+            "ROLLBACK" if !upper.starts_with("ROLLBACK TO") => self.in_block = false,
+            _ if !self.in_block => wire.transactions += 1,
+            _ => {}
+        }
+        *wire.statements.entry(query).or_default() += 1;
+    }
+}
+
+async fn relay(client: tokio::net::TcpStream, upstream: String, wire: Arc<Mutex<Wire>>) -> std::io::Result<()> {
+    let server = tokio::net::TcpStream::connect(&upstream).await?;
+    client.set_nodelay(true)?;
+    server.set_nodelay(true)?;
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let down = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+        let _ = client_write.shutdown().await;
+    });
+    let mut parser = FrontendParser::default();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = client_read.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        server_write.write_all(&buf[..n]).await?;
+        parser.feed(&buf[..n], &wire);
+    }
+    let _ = server_write.shutdown().await;
+    let _ = down.await;
+    Ok(())
+}
+
+/// Starts the counting proxy in front of the admin URL's server; returns a libpq key/value
+/// connection string for database `db` through it (TLS off, so the stream stays readable).
+async fn start_proxy(db: &str, wire: Arc<Mutex<Wire>>) -> Result<Option<(String, tokio::task::JoinHandle<()>)>> {
+    let config: tokio_postgres::Config = admin_url().parse()?;
+    let Some(tokio_postgres::config::Host::Tcp(host)) = config.get_hosts().first().cloned() else {
+        return Ok(None);
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let upstream = format!("{host}:{port}");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let local = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else { continue };
+            tokio::spawn(relay(client, upstream.clone(), wire.clone()));
+        }
+    });
+    let quote = |v: &str| format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"));
+    let mut conninfo = format!("host=127.0.0.1 port={} dbname={} sslmode=disable", local.port(), quote(db));
+    if let Some(user) = config.get_user() {
+        conninfo.push_str(&format!(" user={}", quote(user)));
+    }
+    if let Some(password) = config.get_password() {
+        conninfo.push_str(&format!(" password={}", quote(&String::from_utf8_lossy(password))));
+    }
+    Ok(Some((conninfo, task)))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Phases
+
+struct Throughput {
+    runs: u32,
+    wall: Duration,
+    db_secs: f64,
+    outcome: String,
+    failures: Vec<String>,
+    assistant_messages: i64,
+    xact_commit: i64,
+    xact_rollback: i64,
+    polls: u64,
+    pgss: Option<(i64, Vec<(String, i64)>)>,
+    cpu: String,
+    enqueue: Duration,
+}
+
+async fn throughput_phase(env: &mut Env) -> Result<Throughput> {
+    let runs = env.args.runs;
+    log(format!("enqueueing {runs} runs with SQL (batches of {})", env.args.batch));
+    let enqueue_took = enqueue(&env.db.url, env.principal, runs, env.args.batch, false).await?;
+    {
+        let c = connect(&env.db.url).await?;
+        c.batch_execute("ANALYZE").await?;
+    }
+    let admin = connect(&admin_url()).await?;
+    let pgss = {
+        let c = connect(&env.db.url).await?;
+        let available = pg_stat_statements_available(&c).await;
+        if available {
+            c.batch_execute("SELECT pg_stat_statements_reset()").await?;
+        }
+        available
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await; // backends above exit and flush their stats
+    let before = xacts(&admin, &env.db.name).await?;
+
+    log(format!(
+        "throughput: starting {} workers x {} slots at once; polling every 200 ms",
+        env.args.workers, env.args.concurrency
+    ));
+    let started = Instant::now();
+    let mut workers = env.spawn_workers(&env.db.url.clone())?;
+    let mut watched: Vec<(&str, i32)> = workers.iter().map(|w| ("workers", w.pid())).collect();
+    watched.push(("mock-model", env.mock.pid()));
+    let cpu = CpuWindow::begin(&watched);
+    let poller = connect(&env.db.url).await?;
+    let polls = wait_all_terminal(&poller, &mut workers, runs).await?;
+    let wall = started.elapsed();
+    let cpu = cpu.end();
+    drop(poller);
+    stop(&mut workers).await;
+    drop(workers);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = xacts(&admin, &env.db.name).await?;
+
+    let c = connect(&env.db.url).await?;
+    let row = c
+        .query_one(
+            "SELECT (extract(epoch from max(finished_at) - min(started_at)))::float8,
+                    count(*) FILTER (WHERE status = 'completed'),
+                    count(*) FILTER (WHERE status = 'failed'),
+                    count(*) FILTER (WHERE status = 'cancelled')
+             FROM runs",
+            &[],
+        )
+        .await?;
+    let db_secs: f64 = row.get::<_, Option<f64>>(0).unwrap_or(f64::NAN);
+    let (completed, failed, cancelled): (i64, i64, i64) = (row.get(1), row.get(2), row.get(3));
+    let failures = c
+        .query(
+            "SELECT coalesce(error_code, '?'), left(coalesce(min(error_message), ''), 160), count(*) FROM runs
+             WHERE status <> 'completed' GROUP BY 1 ORDER BY 3 DESC LIMIT 10",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| format!("{} x {}: {}", r.get::<_, i64>(2), r.get::<_, String>(0), r.get::<_, String>(1)))
+        .collect();
+    let assistant_messages: i64 = c.query_one("SELECT count(*) FROM messages WHERE role = 'assistant'", &[]).await?.get(0);
+    let pgss = if pgss {
+        let rows = c
+            .query(
+                "SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 110), calls FROM pg_stat_statements
+                 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+                   AND query NOT LIKE '%pg_stat_statements%' AND query NOT LIKE 'SELECT count(*) FROM runs WHERE status NOT IN%'
+                 ORDER BY calls DESC",
+                &[],
+            )
+            .await?;
+        let list: Vec<(String, i64)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        Some((list.iter().map(|(_, c)| c).sum(), list))
+    } else {
+        None
+    };
+    Ok(Throughput {
+        runs,
+        wall,
+        db_secs,
+        outcome: format!("{completed} completed, {failed} failed, {cancelled} cancelled"),
+        failures,
+        assistant_messages,
+        xact_commit: after.0 - before.0,
+        xact_rollback: after.1 - before.1,
+        polls,
+        pgss,
+        cpu,
+        enqueue: enqueue_took,
+    })
+}
+
+struct Latency {
+    runs: usize,
+    claim_ms: Vec<f64>,
+    step_ms: Vec<f64>,
+    post_ms: Vec<f64>,
+    seen_running_ms: Vec<f64>,
+    not_completed: usize,
+    cpu: String,
+}
+
+async fn wait_api(http: &reqwest::Client, url: &str, api: &mut Proc) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(r) = http.get(format!("{url}/readyz")).send().await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = api.child.try_wait() {
+            bail!("the api exited ({status}); see test-output/bench-scheduler/api.log");
+        }
+        ensure!(Instant::now() < deadline, "the api was not ready within 30 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn latency_phase(env: &mut Env) -> Result<Latency> {
+    let n = env.args.latency_runs as usize;
+    let port = free_port();
+    let mut api = env.spawn_api(port)?;
+    let api_url = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    wait_api(&http, &api_url, &mut api).await?;
+    let mut workers = env.spawn_workers(&env.db.url.clone())?;
+    tokio::time::sleep(Duration::from_secs(2)).await; // workers start, claim nothing, block on LISTEN
+    log(format!("latency: {n} single runs through the API, one at a time, idle workers"));
+    let mut watched: Vec<(&str, i32)> = workers.iter().map(|w| ("workers", w.pid())).collect();
+    watched.push(("api", api.pid()));
+    watched.push(("mock-model", env.mock.pid()));
+    let cpu = CpuWindow::begin(&watched);
+    let key = env.key.clone();
+    let mut post_ms = Vec::with_capacity(n);
+    let mut seen_running_ms = Vec::with_capacity(n);
+    let mut run_ids = Vec::with_capacity(n);
+    let mut not_completed = 0;
+    for i in 0..n {
+        for w in workers.iter_mut().chain(std::iter::once(&mut api)) {
+            if let Ok(Some(status)) = w.child.try_wait() {
+                bail!("{} exited ({status}); see test-output/bench-scheduler/{}.log", w.name, w.name);
+            }
+        }
+        let r = http.post(format!("{api_url}/api/threads")).bearer_auth(&key).json(&json!({"title": "bench"})).send().await?;
+        ensure!(r.status().as_u16() == 201, "create thread: {}", r.status());
+        let thread: Value = r.json().await?;
+        let thread = thread["id"].as_str().context("thread id")?.to_owned();
+        let stream = http
+            .get(format!("{api_url}/api/threads/{thread}/updates/stream?afterSequence=0"))
+            .bearer_auth(&key)
+            .send()
+            .await?;
+        ensure!(stream.status().is_success(), "SSE: {}", stream.status());
+        let mut events = stream.bytes_stream().eventsource();
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while let Some(ev) = events.next().await {
+                if ev.map_err(|e| anyhow!("SSE: {e}"))?.event == "connected" {
+                    return Ok(());
+                }
+            }
+            bail!("SSE stream ended before `connected`")
+        })
+        .await
+        .context("no SSE `connected` within 10 s")??;
+
+        let t0 = Instant::now();
+        let r = http
+            .post(format!("{api_url}/api/threads/{thread}/chat"))
+            .bearer_auth(&key)
+            .json(&json!({"content": USER_TEXT}))
+            .send()
+            .await?;
+        let status = r.status();
+        let body: Value = r.json().await?;
+        post_ms.push(t0.elapsed().as_secs_f64() * 1000.0);
+        ensure!(status.as_u16() == 202, "chat: {status} {body}");
+        let run_id = body["run"]["id"].as_str().context("run id")?.to_owned();
+        let mut running_at: Option<Duration> = None;
+        let end = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Some(ev) = events.next().await {
+                let ev = ev.map_err(|e| anyhow!("SSE: {e}"))?;
+                if ev.event != "run" {
+                    continue;
+                }
+                let run: Value = serde_json::from_str(&ev.data)?;
+                if run["id"].as_str() != Some(run_id.as_str()) {
+                    continue;
+                }
+                let status = run["status"].as_str().unwrap_or_default().to_owned();
+                if status != "queued" && running_at.is_none() {
+                    running_at = Some(t0.elapsed());
+                }
+                if matches!(status.as_str(), "completed" | "failed" | "cancelled") {
+                    return Ok(status);
+                }
+            }
+            bail!("SSE stream ended before the run ended")
+        })
+        .await
+        .with_context(|| format!("run {run_id} did not end within 30 s"))??;
+        if end != "completed" {
+            not_completed += 1;
+        }
+        if let Some(t) = running_at {
+            seen_running_ms.push(t.as_secs_f64() * 1000.0);
+        }
+        run_ids.push(Uuid::parse_str(&run_id)?);
+        drop(events);
+        // Let the worker finish its post-slice claim pass: the next run meets idle workers.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if (i + 1) % 200 == 0 {
+            log(format!("  {} of {n} single runs done", i + 1));
+        }
+    }
+    let cpu = cpu.end();
+    stop(&mut workers).await;
+    stop(std::slice::from_mut(&mut api)).await;
+
+    let c = connect(&env.db.url).await?;
+    let rows = c
+        .query(
+            "SELECT (extract(epoch from r.started_at - r.created_at) * 1000)::float8,
+                    (extract(epoch from s.started_at - r.created_at) * 1000)::float8
+             FROM runs r JOIN run_steps s ON s.run_id = r.id AND s.sequence = 1
+             WHERE r.id = ANY($1)",
+            &[&run_ids],
+        )
+        .await?;
+    Ok(Latency {
+        runs: n,
+        claim_ms: rows.iter().map(|r| r.get(0)).collect(),
+        step_ms: rows.iter().map(|r| r.get(1)).collect(),
+        post_ms,
+        seen_running_ms,
+        not_completed,
+        cpu,
+    })
+}
+
+struct Statements {
+    runs: u32,
+    secs: f64,
+    wire: Wire,
+    outcome: String,
+}
+
+async fn statement_phase(env: &mut Env) -> Result<Option<Statements>> {
+    let runs = env.args.statement_runs;
+    let wire = Arc::new(Mutex::new(Wire::default()));
+    let Some((proxied_url, proxy)) = start_proxy(&env.db.name, wire.clone()).await? else {
+        log("statement count skipped: TEST_DATABASE_URL is not a TCP address");
+        return Ok(None);
+    };
+    log(format!("statements: {runs} runs through the counting proxy"));
+    let mut workers = env.spawn_workers(&proxied_url)?;
+    tokio::time::sleep(Duration::from_secs(2)).await; // start-up statements happen before the baseline
+    for w in workers.iter_mut() {
+        if let Ok(Some(status)) = w.child.try_wait() {
+            bail!("{} exited through the proxy ({status}); see test-output/bench-scheduler/{}.log", w.name, w.name);
+        }
+    }
+    let before = wire.lock().expect("wire lock").clone();
+    let started = Instant::now();
+    let poller = connect(&env.db.url).await?;
+    let _ = enqueue(&env.db.url, env.principal, runs, env.args.batch, true).await?;
+    wait_all_terminal(&poller, &mut workers, runs).await?;
+    let secs = started.elapsed().as_secs_f64();
+    let delta = wire.lock().expect("wire lock").minus(&before);
+    stop(&mut workers).await;
+    proxy.abort();
+    let row = poller
+        .query_one(
+            "SELECT count(*) FILTER (WHERE status = 'completed'), count(*) FILTER (WHERE status <> 'completed') FROM runs
+             WHERE id IN (SELECT id FROM runs ORDER BY seq DESC LIMIT $1)",
+            &[&i64::from(runs)],
+        )
+        .await?;
+    Ok(Some(Statements {
+        runs,
+        secs,
+        wire: delta,
+        outcome: format!("{} completed, {} not completed", row.get::<_, i64>(0), row.get::<_, i64>(1)),
+    }))
+}
+
+// ---------------------------------------------------------------------------------------------
+
+async fn bench(args: Args) -> Result<()> {
+    install_crypto();
+    if cfg!(debug_assertions) {
+        log("WARNING: a debug build; run with `cargo run --release` for meaningful figures");
+    }
+    for name in ["agentloop-worker", "agentloop-api", "mock-model"] {
+        bin(name)?;
+    }
+    let clients = args.workers * args.concurrency;
+    let load_start = loadavg();
+    let admin = connect(&admin_url()).await?;
+    let version: String = admin.query_one("SHOW server_version", &[]).await?.get(0);
+    let mut settings = Vec::new();
+    for s in ["synchronous_commit", "fsync", "shared_buffers", "max_connections"] {
+        let v: String = admin.query_one(&format!("SHOW {s}"), &[]).await?.get(0);
+        settings.push(format!("{s}={v}"));
+    }
+    drop(admin);
+
+    let db = Database::create("bench_sched").await?;
+    log(format!("database {} (migrating)", db.name));
+    admin_verb(&["migrate"], &db.url).await?;
+    let key = admin_verb(&["create-key", "--principal", "bench"], &db.url).await?;
+    let principal: Uuid = connect(&db.url)
+        .await?
+        .query_one("SELECT id FROM principals WHERE name = 'bench'", &[])
+        .await?
+        .get(0);
+    let (mock_url, mock) = start_mock()?;
+    let mut env = Env { db, mock_url, mock, key, principal, args: args.clone(), next_worker: 0 };
+
+    // pgbench's scratch database, initialised up front; runs just before and after phase 1.
+    let pgbench = pgbench_path()?;
+    let pgdb = if args.pgbench_seconds > 0 {
+        let pgdb = Database::create("bench_pgbench").await?;
+        log(format!("pgbench -i -s {} ({})", args.pgbench_scale, pgbench.display()));
+        pgbench_init(&pgbench, &pgdb.url, args.pgbench_scale).await?;
+        Some(pgdb)
+    } else {
+        None
+    };
+    let mut tps = Vec::new();
+    if let Some(pgdb) = &pgdb {
+        log(format!("pgbench -N -c {clients} -T {} (before)", args.pgbench_seconds));
+        tps.push(pgbench_tps(&pgbench, &pgdb.url, clients, args.pgbench_seconds).await?);
+    }
+    let throughput = throughput_phase(&mut env).await?;
+    if let Some(pgdb) = &pgdb {
+        log(format!("pgbench -N -c {clients} -T {} (after)", args.pgbench_seconds));
+        tps.push(pgbench_tps(&pgbench, &pgdb.url, clients, args.pgbench_seconds).await?);
+    }
+    drop(pgdb);
+    let latency = if args.latency_runs > 0 { Some(latency_phase(&mut env).await?) } else { None };
+    let statements = if args.statement_runs > 0 { statement_phase(&mut env).await? } else { None };
+    let load_end = loadavg();
+
+    // ------------------------------------------------------------------ report
+    let t = &throughput;
+    let rps = f64::from(t.runs) / t.wall.as_secs_f64();
+    let worker_xacts = t.xact_commit - t.polls as i64;
+    let xacts_per_run = worker_xacts as f64 / f64::from(t.runs);
+    println!();
+    println!("agentloop scheduler benchmark (one run, one PostgreSQL)");
+    println!("  server: PostgreSQL {version}; {}", settings.join(", "));
+    println!(
+        "  machine: {} CPUs; load average {load_start} at start, {load_end} at end (shared with other processes)",
+        cpus()
+    );
+    println!("  binaries: {}", bin_dir().display());
+    println!();
+    println!(
+        "1. claim + complete: {} runs, zero-latency mock model, {} worker processes x {} slots = {clients} slots",
+        t.runs, env.args.workers, env.args.concurrency
+    );
+    println!("   enqueued with SQL in {:.1} s before the workers started", t.enqueue.as_secs_f64());
+    println!(
+        "   worker spawn -> all runs terminal (200 ms polls): {:.2} s = {rps:.0} runs/s",
+        t.wall.as_secs_f64()
+    );
+    println!(
+        "   first claim -> last finish (database clock): {:.2} s = {:.0} runs/s",
+        t.db_secs,
+        f64::from(t.runs) / t.db_secs
+    );
+    println!("   outcome: {}; assistant messages: {}", t.outcome, t.assistant_messages);
+    for f in &t.failures {
+        println!("   not completed: {f}");
+    }
+    println!("   CPU: {}", t.cpu);
+    println!();
+    if tps.is_empty() {
+        println!("2. pgbench: skipped (--pgbench-seconds 0)");
+    } else {
+        let mean = tps.iter().sum::<f64>() / tps.len() as f64;
+        println!(
+            "2. pgbench -N -c {clients} -j {} -T {} (scale {}), same server: {} TPS (before / after phase 1), mean {mean:.0}",
+            (cpus() as u32).clamp(1, clients.max(1)),
+            env.args.pgbench_seconds,
+            env.args.pgbench_scale,
+            tps.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / ")
+        );
+        println!("   ratio: claim+complete runs/s / pgbench TPS = {rps:.0} / {mean:.0} = {:.3}", rps / mean);
+        println!(
+            "   (the workers committed {:.0} transactions/s during phase 1 = {:.2} x pgbench TPS)",
+            worker_xacts as f64 / t.wall.as_secs_f64(),
+            worker_xacts as f64 / t.wall.as_secs_f64() / mean
+        );
+    }
+    println!();
+    match &latency {
+        None => println!("3. latency: skipped (--latency-runs 0)"),
+        Some(l) => {
+            println!("3. enqueue -> slice start, {} single runs posted one at a time via HTTP, idle workers", l.runs);
+            println!("   runs.started_at - runs.created_at (claimed):         {}", dist(l.claim_ms.clone()));
+            println!("   run_steps.started_at - runs.created_at (step begun): {}", dist(l.step_ms.clone()));
+            println!("   client: POST /chat -> 202:                            {}", dist(l.post_ms.clone()));
+            println!("   client: POST /chat -> SSE `run` event `running`:      {}", dist(l.seen_running_ms.clone()));
+            if l.not_completed > 0 {
+                println!("   runs not completed: {}", l.not_completed);
+            }
+            println!("   CPU: {}", l.cpu);
+        }
+    }
+    println!();
+    println!("4. SQL per run (one slice, final answer, no tool call)");
+    println!(
+        "   server-counted commits: {xacts_per_run:.2} per run = pg_stat_database.xact_commit delta of the benchmark database over phase 1 ({}) minus the benchmark's {} polls, / {} runs (rollbacks: {}); PostgreSQL also counts each statement preparation (Parse..Sync) outside a transaction block as a commit; includes worker start-up and autovacuum",
+        t.xact_commit, t.polls, t.runs, t.xact_rollback
+    );
+    match &t.pgss {
+        Some((calls, list)) => {
+            println!(
+                "   statements (pg_stat_statements, phase 1): {:.2} per run ({calls} calls)",
+                *calls as f64 / f64::from(t.runs)
+            );
+            for (q, c) in list.iter().take(25) {
+                println!("     {:>7.3}  {q}", *c as f64 / f64::from(t.runs));
+            }
+        }
+        None => println!("   pg_stat_statements: not available (needs shared_preload_libraries); counted on the wire instead"),
+    }
+    match &statements {
+        None => println!("   statements: not counted"),
+        Some(s) => {
+            let per = |v: u64| v as f64 / f64::from(s.runs);
+            println!(
+                "   transactions: {:.2} per run (BEGIN..COMMIT blocks + statements outside them)",
+                per(s.wire.transactions)
+            );
+            println!(
+                "   statements: {:.2} per run (incl. BEGIN/COMMIT); round trips {:.2} per run; statement preparations (Parse) {:.2} per run",
+                per(s.wire.executed()),
+                per(s.wire.round_trips),
+                per(s.wire.parses)
+            );
+            println!(
+                "   method: a protocol proxy between the 2 workers and PostgreSQL counted Execute messages (and each statement of a simple Query) over {} more runs ({}; {:.1} s incl. enqueue, {:.0} runs/s through the proxy), after the workers' start-up; round trips = Sync + simple Query messages",
+                s.runs,
+                s.outcome,
+                s.secs,
+                f64::from(s.runs) / s.secs
+            );
+            let mut list: Vec<(&String, &u64)> = s.wire.statements.iter().collect();
+            list.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+            println!("   per run  statement");
+            for (q, c) in list {
+                let q: String = if q.chars().count() > 120 { q.chars().take(117).collect::<String>() + "..." } else { q.clone() };
+                println!("   {:>7.3}  {q}", per(*c));
+            }
+        }
+    }
+    Ok(())
+}
