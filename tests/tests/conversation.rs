@@ -184,3 +184,43 @@ async fn manual_compaction_creates_a_child_thread_and_leaves_the_original_intact
     assert_eq!(msgs.last().unwrap()["content"], tail[0]["content"]);
     assert_ne!(msgs[1]["role"], "tool");
 }
+
+/// Issue 4's figure: a 2,000-message synthetic conversation before and after automatic
+/// compaction (default settings: no model limit, so the 80,000-token fallback threshold).
+#[tokio::test]
+async fn a_two_thousand_message_conversation_is_compacted_below_the_threshold() {
+    let stack = Stack::start("compaction_2000", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    let id = uuid::Uuid::parse_str(&thread).unwrap();
+    // 2,000 alternating user/assistant messages of ~100 words (~130 tokens) each.
+    db.execute(
+        "INSERT INTO messages (thread_id, sequence, timestamp_ms, role, content, token_estimate, byte_size)
+         SELECT $1, g, 1000 + g, CASE WHEN g % 2 = 1 THEN 'user' ELSE 'assistant' END,
+                to_jsonb('message ' || g || ': ' || repeat('several words of synthetic history ', 20)), 130, 700
+         FROM generate_series(1, 2000) g",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    db.execute("UPDATE threads SET message_count = 2000, last_sequence = 2000, last_timestamp_ms = 3000 WHERE id = $1", &[&id])
+        .await
+        .unwrap();
+    let posted = c.chat(&thread, &script(json!([{"text": "caught up"}]))).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), Duration::from_secs(120)).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let events = db
+        .query("SELECT payload FROM thread_events WHERE kind = 'compaction' AND payload ? 'done'", &[])
+        .await
+        .unwrap();
+    assert_eq!(events.len(), 1);
+    let done: Value = events[0].get(0);
+    let after = run["contextTokens"].as_i64().unwrap();
+    println!(
+        "COMPACTION-2000 before={} (messages) summary={} after={} calls={} passes={}",
+        done["inputTokens"], done["summaryTokens"], after, done["calls"], done["passes"]
+    );
+    assert!(after < 80_000, "{after}");
+    assert!(done["calls"].as_i64().unwrap() >= 4, "batches of at most 60,000 tokens");
+}
