@@ -144,3 +144,33 @@ pub async fn set_parent(conn: &mut AsyncPgConnection, thread_id: Uuid, parent: U
         .await?;
     Ok(())
 }
+
+/// Changes the given fields (others untouched); returns the thread.
+pub async fn update(
+    conn: &mut AsyncPgConnection,
+    thread_id: Uuid,
+    title: Option<String>,
+    model: Option<String>,
+    metadata: Option<serde_json::Value>,
+) -> QueryResult<Thread> {
+    let current = get(conn, thread_id).await?;
+    diesel::update(threads::table.find(thread_id))
+        .set((
+            threads::title.eq(title.unwrap_or(current.title)),
+            threads::model.eq(model.or(current.model)),
+            threads::metadata.eq(metadata.unwrap_or(current.metadata)),
+            threads::updated_at.eq(diesel::dsl::now),
+        ))
+        .returning(Thread::as_returning())
+        .get_result(conn)
+        .await
+}
+
+/// Marks the thread deleted (every owner-scoped read then treats it as missing).
+pub async fn soft_delete(conn: &mut AsyncPgConnection, thread_id: Uuid) -> QueryResult<()> {
+    diesel::update(threads::table.find(thread_id))
+        .set((threads::deleted_at.eq(diesel::dsl::now), threads::updated_at.eq(diesel::dsl::now)))
+        .execute(conn)
+        .await?;
+    Ok(())
+}

@@ -314,3 +314,37 @@ async fn maintenance_prunes_old_receipts_and_trims_journals() {
     let r = c.get(&format!("/api/threads/{thread}/updates?afterSequence=1&timeoutMs=0")).await.unwrap();
     assert_eq!(r.body["reset"], true, "{r:?}");
 }
+
+#[tokio::test]
+async fn thread_policy_from_metadata_and_delete_cancels_runs() {
+    let stack = Stack::start("thread_patch_delete", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let r = c
+        .send(reqwest::Method::PATCH, &format!("/api/threads/{thread}"), Some(json!({"title": "renamed", "metadata": {"multitask": "enqueue"}})), &[])
+        .await
+        .unwrap();
+    assert_eq!((r.status, r.body["title"].as_str()), (200, Some("renamed")), "{r:?}");
+    let r = c.send(reqwest::Method::PATCH, &format!("/api/threads/{thread}"), Some(json!({"metadata": [1]})), &[]).await.unwrap();
+    assert_eq!(r.body["error"]["code"], "invalid_metadata");
+    // The thread's policy now queues a second message instead of rejecting it.
+    let running = c.chat(&thread, &script(json!([{"text": "slow", "delayMs": 20000}]))).await.unwrap();
+    let queued = c.chat(&thread, "behind it").await.unwrap();
+    assert_eq!(queued["run"]["status"], "pending");
+    let running_id = running["run"]["id"].as_str().unwrap();
+    c.wait_run(running_id, T, |r| r["status"] == "running").await.unwrap();
+    let r = c.send(reqwest::Method::DELETE, &format!("/api/threads/{thread}"), None, &[]).await.unwrap();
+    assert_eq!(r.status, 204, "{r:?}");
+    assert_eq!(c.get(&format!("/api/threads/{thread}")).await.unwrap().status, 404);
+    let db = stack.db.client().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let statuses: Vec<String> = db.query("SELECT status FROM runs ORDER BY seq", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+        if statuses == ["cancelled", "cancelled"] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{statuses:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(c.get("/api/threads").await.unwrap().body["threads"].as_array().unwrap().is_empty());
+}

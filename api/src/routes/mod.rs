@@ -1,9 +1,11 @@
 //! The route table (SPEC §13). One handler per file under `routes/<resource>/`.
 
+pub mod approvals;
 pub mod chat;
 pub mod health;
 pub mod messages;
 pub mod models;
+pub mod operations;
 pub mod runs;
 pub mod threads;
 pub mod ui;
@@ -23,6 +25,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
                 .route("/threads", web::post().to(threads::create_thread::create_thread))
                 .route("/threads", web::get().to(threads::list_threads::list_threads))
                 .route("/threads/{id}", web::get().to(threads::get_thread::get_thread))
+                .route("/threads/{id}", web::patch().to(threads::update_thread::update_thread))
+                .route("/threads/{id}", web::delete().to(threads::delete_thread::delete_thread))
                 .route("/threads/{id}/messages", web::get().to(threads::list_messages::list_messages))
                 .route("/threads/{id}/chat", web::post().to(chat::post_chat::post_chat))
                 .route("/threads/{id}/cancel", web::post().to(threads::cancel_thread::cancel_thread))
@@ -38,6 +42,14 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
                 .route("/threads/{id}/updates", web::get().to(updates::poll_updates::poll_updates))
                 .route("/runs/{id}", web::get().to(runs::get_run::get_run))
                 .route("/runs/{id}/cancel", web::post().to(runs::cancel_run::cancel_run))
+                .route("/threads/{id}/approvals", web::get().to(approvals::list_approvals::list_approvals))
+                .route("/approvals/{id}/approve", web::post().to(approvals::approve_approval::approve_approval))
+                .route("/approvals/{id}/reject", web::post().to(approvals::reject_approval::reject_approval))
+                .route("/runs/{id}/operations", web::get().to(operations::list_operations::list_operations))
+                .route(
+                    "/runs/{id}/operations/{key}/resolve",
+                    web::post().to(operations::resolve_operation::resolve_operation),
+                )
                 .default_service(web::to(not_found)),
         );
 }
