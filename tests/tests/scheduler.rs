@@ -348,3 +348,33 @@ async fn thread_policy_from_metadata_and_delete_cancels_runs() {
     }
     assert!(c.get("/api/threads").await.unwrap().body["threads"].as_array().unwrap().is_empty());
 }
+
+#[tokio::test]
+async fn the_claim_is_an_index_scan_however_many_terminal_runs_exist() {
+    let db = agentloop_tests::TestDb::create().await.unwrap();
+    let client = db.client().await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO principals (id, name) VALUES ('00000000-0000-0000-0000-000000000001', 'p');
+             INSERT INTO threads (id, owner_id) SELECT gen_random_uuid(), '00000000-0000-0000-0000-000000000001' FROM generate_series(1, 200);
+             INSERT INTO runs (id, thread_id, principal_id, status, model, finished_at)
+               SELECT gen_random_uuid(), t.id, t.owner_id, 'completed', 'm', now()
+               FROM threads t, generate_series(1, 250);
+             ANALYZE runs;",
+        )
+        .await
+        .unwrap();
+    let plan: Value = client
+        .query_one(
+            "EXPLAIN (FORMAT JSON) SELECT id FROM runs
+             WHERE status IN ('queued', 'running') AND (status = 'queued' OR lease_expires_at < now())
+             ORDER BY seq LIMIT 8 FOR UPDATE SKIP LOCKED",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let text = plan.to_string();
+    assert!(text.contains("runs_claimable"), "the claim does not use the partial index: {text}");
+    assert!(!text.contains("Seq Scan"), "{text}");
+}
