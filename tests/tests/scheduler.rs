@@ -378,3 +378,27 @@ async fn the_claim_is_an_index_scan_however_many_terminal_runs_exist() {
     assert!(text.contains("runs_claimable"), "the claim does not use the partial index: {text}");
     assert!(!text.contains("Seq Scan"), "{text}");
 }
+
+#[tokio::test]
+async fn idle_workers_do_not_poll_the_queue() {
+    let stack = Stack::start("idle", StackOptions { workers: 2, ..Default::default() }).await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    let scans = || async {
+        db.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
+        db.query_one("SELECT seq_scan + coalesce(idx_scan, 0) FROM pg_stat_user_tables WHERE relname = 'runs'", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await; // start-up claim passes are done and flushed
+    let before = scans().await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let after = scans().await;
+    assert_eq!(before, after, "idle workers touched the runs table");
+    // ... and still wake at once when work arrives.
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let posted = c.chat(&thread, &script(json!([{"text": "awake"}]))).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert!(ts(&run["startedAt"]) - ts(&run["createdAt"]) < chrono::Duration::seconds(1));
+}
