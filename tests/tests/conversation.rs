@@ -224,3 +224,37 @@ async fn a_two_thousand_message_conversation_is_compacted_below_the_threshold() 
     assert!(after < 80_000, "{after}");
     assert!(done["calls"].as_i64().unwrap() >= 4, "batches of at most 60,000 tokens");
 }
+
+#[tokio::test]
+async fn a_provider_projection_that_merges_messages_does_not_break_checkpointing() {
+    // A GLM-family model: adjacent user turns are merged in the payload (SPEC §9).
+    let glm = vec![("MODEL_NAME".to_owned(), "glm-4-mock".to_owned())];
+    let stack = Stack::start("glm_merge", StackOptions { worker_env: glm.clone(), api_env: glm, ..Default::default() }).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    let id = uuid::Uuid::parse_str(&thread).unwrap();
+    db.execute(
+        "INSERT INTO messages (thread_id, sequence, timestamp_ms, role, content, token_estimate, byte_size)
+         VALUES ($1, 1, 1001, 'user', '\"first\"', 5, 7), ($1, 2, 1002, 'user', '\"second\"', 5, 8)",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    db.execute("UPDATE threads SET message_count = 2, last_sequence = 2, last_timestamp_ms = 1002 WHERE id = $1", &[&id])
+        .await
+        .unwrap();
+    let steps = json!([{"toolCalls": [{"name": "calculator", "arguments": {"expression": "3*3"}}]}, {"text": "nine"}]);
+    let posted = c.chat(&thread, &script(steps)).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let sent = stack.mock.requests().await.unwrap();
+    let first_payload = sent[0]["messages"].as_array().unwrap();
+    assert_eq!(first_payload.iter().filter(|m| m["role"] == "user").count(), 1, "GLM merged the three user turns: {first_payload:?}");
+    // Canonical history is untouched by the merge and the checkpoints added each message once.
+    let w = window(&stack, &thread).await;
+    let roles: Vec<&str> = w["messages"].as_array().unwrap().iter().map(|m| m["role"].as_str().unwrap()).collect();
+    assert_eq!(roles, ["user", "user", "user", "assistant", "tool", "assistant"]);
+    assert_eq!(seqs(&w), [1, 2, 3, 4, 5, 6]);
+    assert_eq!(w["messages"][0]["content"], "first");
+}
