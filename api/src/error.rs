@@ -26,6 +26,9 @@ pub enum ApiError {
     /// 503 with a stable code (`sse_unavailable`, `database_unavailable`).
     #[error("{message}")]
     Unavailable { code: &'static str, message: String },
+    /// 502 with the failed run's error code (the stateless endpoint).
+    #[error("{message}")]
+    RunFailed { code: String, message: String },
     /// 500 `internal`; the cause is logged, never returned.
     #[error("internal error")]
     Internal(#[from] anyhow::Error),
@@ -42,8 +45,9 @@ impl ApiError {
         Self::Conflict { code, message: message.into() }
     }
 
-    fn code(&self) -> &'static str {
+    fn code(&self) -> &str {
         match self {
+            Self::RunFailed { code, .. } => code,
             Self::BadRequest { code, .. } | Self::Conflict { code, .. } | Self::Unavailable { code, .. } => code,
             Self::Unauthorized => "unauthorized",
             Self::NotFound => "not_found",
@@ -74,6 +78,7 @@ impl ResponseError for ApiError {
             Self::Conflict { .. } => StatusCode::CONFLICT,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::RunFailed { .. } => StatusCode::BAD_GATEWAY,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

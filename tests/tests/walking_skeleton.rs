@@ -384,3 +384,28 @@ async fn idempotent_chat_commands() {
     let msgs: i64 = db.query_one("SELECT count(*) FROM messages WHERE thread_id = $1 AND role = 'user'", &[&thread_uuid]).await.unwrap().get(0);
     assert_eq!((runs, msgs), (1, 1));
 }
+
+#[tokio::test]
+async fn stateless_chat_completions_run_through_the_durable_loop() {
+    let stack = Stack::start("stateless", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let r = c.post("/v1/chat/completions", json!({"model": "mock", "messages": [{"role": "user", "content": "What is 6*7?"}]})).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.body["object"], "chat.completion");
+    assert_eq!(r.body["choices"][0]["message"]["content"], "The result is 42.");
+    // The hidden thread is gone from the caller's list; its run was durable like any other.
+    assert!(c.get("/api/threads").await.unwrap().body["threads"].as_array().unwrap().is_empty());
+    let db = stack.db.client().await.unwrap();
+    let (runs, tools): (i64, i64) = {
+        let row = db
+            .query_one("SELECT (SELECT count(*) FROM runs WHERE status = 'completed'), (SELECT count(*) FROM messages WHERE role = 'tool')", &[])
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!((runs, tools), (1, 1));
+    let r = c.post("/v1/chat/completions", json!({"messages": []})).await.unwrap();
+    assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_messages")));
+    let r = c.post("/v1/chat/completions", json!({"messages": [{"role": "wizard", "content": "x"}]})).await.unwrap();
+    assert_eq!(r.status, 400);
+}

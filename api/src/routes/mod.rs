@@ -5,6 +5,7 @@ pub mod chat;
 pub mod health;
 pub mod messages;
 pub mod models;
+pub mod openai;
 pub mod operations;
 pub mod runs;
 pub mod threads;
@@ -19,6 +20,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/readyz", web::get().to(health::readyz))
         .route("/metrics", web::get().to(health::metrics))
         .route("/", web::get().to(ui::index))
+        .route("/v1/chat/completions", web::post().to(openai::chat_completions::chat_completions))
         .service(
             web::scope("/api")
                 .route("/models", web::get().to(models::list_models::list_models))
