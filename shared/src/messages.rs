@@ -396,8 +396,10 @@ pub async fn active_in_range(conn: &mut AsyncPgConnection, thread_id: Uuid, firs
 }
 
 /// Whether active messages of `thread_id` exist below `first` (and above `floor`, when given)
-/// and above `last` (and below `ceiling`, when given): `(more_before, more_after)`. Two index
-/// probes in one statement.
+/// and above `last` (and below `ceiling`, when given): `(more_before, more_after)`. One
+/// statement with two nearest-neighbour probes (`ORDER BY sequence ... LIMIT 1`), each a
+/// one-row scan of `messages_active_by_sequence`; written this way rather than as `EXISTS`
+/// with open bounds, for which the planner may pick a sequential scan.
 pub async fn active_exists_around(
     conn: &mut AsyncPgConnection,
     thread_id: Uuid,
@@ -408,23 +410,25 @@ pub async fn active_exists_around(
 ) -> QueryResult<(bool, bool)> {
     #[derive(QueryableByName)]
     struct Row {
-        #[diesel(sql_type = diesel::sql_types::Bool)]
-        before: bool,
-        #[diesel(sql_type = diesel::sql_types::Bool)]
-        after: bool,
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::BigInt>)]
+        prev: Option<i64>,
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::BigInt>)]
+        next: Option<i64>,
     }
     let row: Row = diesel::sql_query(
-        "SELECT EXISTS (SELECT 1 FROM messages WHERE thread_id = $1 AND active AND sequence < $2 AND sequence > $3) AS before,
-                EXISTS (SELECT 1 FROM messages WHERE thread_id = $1 AND active AND sequence > $4 AND sequence < $5) AS after",
+        "SELECT (SELECT sequence FROM messages WHERE thread_id = $1 AND active AND sequence < $2
+                 ORDER BY sequence DESC LIMIT 1) AS prev,
+                (SELECT sequence FROM messages WHERE thread_id = $1 AND active AND sequence > $3
+                 ORDER BY sequence ASC LIMIT 1) AS next",
     )
     .bind::<diesel::sql_types::Uuid, _>(thread_id)
     .bind::<diesel::sql_types::BigInt, _>(first)
-    .bind::<diesel::sql_types::BigInt, _>(floor.unwrap_or(i64::MIN))
     .bind::<diesel::sql_types::BigInt, _>(last)
-    .bind::<diesel::sql_types::BigInt, _>(ceiling.unwrap_or(i64::MAX))
     .get_result(conn)
     .await?;
-    Ok((row.before, row.after))
+    let before = row.prev.is_some_and(|p| floor.is_none_or(|f| p > f));
+    let after = row.next.is_some_and(|n| ceiling.is_none_or(|c| n < c));
+    Ok((before, after))
 }
 
 /// Active `system`/`developer` rows before `sequence` (the instructions kept ahead of a

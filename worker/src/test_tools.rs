@@ -15,7 +15,9 @@ pub const TABLE: &str = "agentloop_test_effects";
 
 /// `record_effect {"label"?: string, "seconds"?: number}`: inserts one row
 /// `(key = the call's idempotency key, label)` into [`TABLE`] as soon as it starts (the effect),
-/// then waits `seconds` (at most 60) and answers `recorded <label>`. Not idempotent.
+/// then — only the first time this key runs — waits `seconds` (at most 60), and answers
+/// `recorded <label>`. Not idempotent. (A retried call is quick, so a test can SIGKILL a worker
+/// during the first execution and watch the retry finish.)
 #[derive(Clone)]
 pub struct RecordEffect {
     pub pool: PgPool,
@@ -74,7 +76,18 @@ impl Tool for RecordEffect {
                 .execute(&mut conn)
                 .await
                 .map_err(|e| ToolError::Failed(e.to_string()))?;
+            #[derive(diesel::QueryableByName)]
+            struct Count {
+                #[diesel(sql_type = diesel::sql_types::BigInt)]
+                n: i64,
+            }
+            let runs: Count = diesel::sql_query(format!("SELECT count(*) AS n FROM {TABLE} WHERE key = $1"))
+                .bind::<diesel::sql_types::Text, _>(&ctx.idempotency_key)
+                .get_result(&mut conn)
+                .await
+                .map_err(|e| ToolError::Failed(e.to_string()))?;
             drop(conn);
+            let seconds = if runs.n > 1 { 0.0 } else { seconds };
             tokio::select! {
                 () = ctx.cancel.cancelled() => return Err(ToolError::Cancelled),
                 () = tokio::time::sleep(Duration::from_secs_f64(seconds)) => {}

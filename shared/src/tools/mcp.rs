@@ -205,10 +205,10 @@ fn result_text(result: CallToolResult) -> Result<String, ToolError> {
         }
     }
     let mut text = parts.join("\n");
-    if text.is_empty() {
-        if let Some(structured) = &result.structured_content {
-            text = structured.to_string();
-        }
+    if text.is_empty()
+        && let Some(structured) = &result.structured_content
+    {
+        text = structured.to_string();
     }
     if result.is_error == Some(true) { Err(ToolError::Failed(text)) } else { Ok(text) }
 }

@@ -126,6 +126,8 @@ impl ToolRegistry {
     pub fn configure(&mut self, config: &ToolsConfig) {
         self.settings = config.tools.clone();
         self.default_policy = config.default_policy.unwrap_or_default();
+        // reqwest (here and in rmcp's HTTP transport) is built without a default TLS provider.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let client = reqwest::Client::new();
         for tool in &config.http_tools {
             self.register(Arc::new(http::HttpTool::new(tool.clone(), client.clone())));

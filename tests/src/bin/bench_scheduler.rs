@@ -111,13 +111,13 @@ fn main() -> ExitCode {
                     }
                 };
             }
-            _ = int.recv() => "SIGINT",
-            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => ("SIGINT", 130),
+            _ = term.recv() => ("SIGTERM", 143),
         };
         task.abort();
         let _ = task.await;
-        eprintln!("{interrupted}: stopped every process and dropped the databases");
-        ExitCode::from(130)
+        eprintln!("{}: stopped every process and dropped the databases", interrupted.0);
+        ExitCode::from(interrupted.1)
     })
 }
 
@@ -310,24 +310,35 @@ fn cpus() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
-/// CPU use during a phase: the machine's busy cores, and cores used by the listed processes.
+/// Server processes (backends) connected to database `db`.
+async fn backend_pids(admin: &tokio_postgres::Client, db: &str) -> Result<Vec<i32>> {
+    let rows = admin.query("SELECT pid FROM pg_stat_activity WHERE datname = $1", &[&db]).await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// CPU use during a phase: the machine's busy cores, cores used by the listed processes, and by
+/// the PostgreSQL backends of the benchmark database (a backend born during the phase counts
+/// from zero; one that exited before the end is missed).
 struct CpuWindow {
     start: Instant,
     machine: (u64, u64),
     procs: Vec<(String, i32, f64)>,
+    backends: HashMap<i32, f64>,
 }
 
 impl CpuWindow {
-    fn begin(procs: &[(&str, i32)]) -> Self {
+    fn begin(procs: &[(&str, i32)], backends: &[i32]) -> Self {
         Self {
             start: Instant::now(),
             machine: machine_jiffies(),
             procs: procs.iter().map(|(n, pid)| ((*n).to_owned(), *pid, process_cpu_secs(*pid))).collect(),
+            backends: backends.iter().map(|pid| (*pid, process_cpu_secs(*pid))).collect(),
         }
     }
 
-    /// "machine 1.95 of 2 cores busy; workers 0.62 cores, mock-model 0.11 cores".
-    fn end(&self) -> String {
+    /// "machine 1.95 of 2 cores busy; cores used by workers 0.62, mock-model 0.11, PostgreSQL
+    /// backends 0.9". `backends`: the backends of the benchmark database now.
+    fn end(&self, backends: &[i32]) -> String {
         let secs = self.start.elapsed().as_secs_f64().max(1e-9);
         let (busy, total) = machine_jiffies();
         let frac = (busy - self.machine.0) as f64 / ((total - self.machine.1) as f64).max(1.0);
@@ -339,6 +350,8 @@ impl CpuWindow {
                 None => by_name.push((name.clone(), used)),
             }
         }
+        let server: f64 = backends.iter().map(|pid| process_cpu_secs(*pid) - self.backends.get(pid).copied().unwrap_or(0.0)).sum();
+        by_name.push((format!("{} PostgreSQL backends", backends.len()), server));
         let parts: Vec<String> = by_name.iter().map(|(n, v)| format!("{n} {:.2}", v / secs)).collect();
         format!("machine {:.2} of {} cores busy; cores used by {}", frac * cpus() as f64, cpus(), parts.join(", "))
     }
@@ -755,11 +768,11 @@ async fn throughput_phase(env: &mut Env) -> Result<Throughput> {
     let mut workers = env.spawn_workers(&env.db.url.clone())?;
     let mut watched: Vec<(&str, i32)> = workers.iter().map(|w| ("workers", w.pid())).collect();
     watched.push(("mock-model", env.mock.pid()));
-    let cpu = CpuWindow::begin(&watched);
+    let cpu = CpuWindow::begin(&watched, &[]);
     let poller = connect(&env.db.url).await?;
     let polls = wait_all_terminal(&poller, &mut workers, runs).await?;
     let wall = started.elapsed();
-    let cpu = cpu.end();
+    let cpu = cpu.end(&backend_pids(&admin, &env.db.name).await?);
     drop(poller);
     stop(&mut workers).await;
     drop(workers);
@@ -860,7 +873,8 @@ async fn latency_phase(env: &mut Env) -> Result<Latency> {
     let mut watched: Vec<(&str, i32)> = workers.iter().map(|w| ("workers", w.pid())).collect();
     watched.push(("api", api.pid()));
     watched.push(("mock-model", env.mock.pid()));
-    let cpu = CpuWindow::begin(&watched);
+    let admin = connect(&admin_url()).await?;
+    let cpu = CpuWindow::begin(&watched, &backend_pids(&admin, &env.db.name).await?);
     let key = env.key.clone();
     let mut post_ms = Vec::with_capacity(n);
     let mut seen_running_ms = Vec::with_capacity(n);
@@ -943,7 +957,7 @@ async fn latency_phase(env: &mut Env) -> Result<Latency> {
             log(format!("  {} of {n} single runs done", i + 1));
         }
     }
-    let cpu = cpu.end();
+    let cpu = cpu.end(&backend_pids(&admin, &env.db.name).await?);
     stop(&mut workers).await;
     stop(std::slice::from_mut(&mut api)).await;
 

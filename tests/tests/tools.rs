@@ -1,0 +1,593 @@
+//! Tools (issue 6): approvals that resume the same run, the operations ledger with uncertain
+//! effects after a SIGKILL, MCP tools from a real rmcp server (streamable HTTP and stdio), HTTP
+//! tools, and an MCP server that is down. Real api/worker processes, real PostgreSQL, the
+//! scripted mock model. Every test name starts with `tools_`: `./deploy/test.sh tools` runs them.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use agentloop_tests::{Client, Proc, Sig, Stack, StackOptions, bin_dir, free_port, script};
+use serde_json::{Value, json};
+
+const T: Duration = Duration::from_secs(30);
+
+/// Writes `tools` as the test's `TOOLS_FILE` and returns the worker environment using it.
+fn tools_env(test: &str, tools: Value, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../test-output").join(test);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tools.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&tools).unwrap()).unwrap();
+    let mut env = vec![("TOOLS_FILE".to_owned(), path.display().to_string())];
+    env.extend(extra.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
+    env
+}
+
+async fn start(test: &str, tools: Value, extra: &[(&str, &str)]) -> Stack {
+    let options = StackOptions { worker_env: tools_env(test, tools, extra), ..Default::default() };
+    Stack::start(test, options).await.unwrap()
+}
+
+async fn messages(c: &Client, thread: &str) -> Vec<Value> {
+    let r = c.get(&format!("/api/threads/{thread}")).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    r.body["messages"].as_array().unwrap().clone()
+}
+
+async fn wait_status(c: &Client, run: &str, status: &str) -> Value {
+    c.wait_run(run, T, |r| r["status"] == status).await.unwrap()
+}
+
+async fn pending(c: &Client, thread: &str) -> Vec<Value> {
+    let r = c.get(&format!("/api/threads/{thread}/approvals?status=pending")).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    r.body["approvals"].as_array().unwrap().clone()
+}
+
+fn id(v: &Value) -> String {
+    v["id"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn tools_approve_resumes_the_same_run_and_chat_is_409_meanwhile() {
+    let stack = start("approve", json!({"tools": {"calculator": {"policy": "ask"}}}), &[]).await;
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([
+        {"toolCalls": [{"name": "calculator", "arguments": {"expression": "6*7"}}]},
+        {"text": "Result: {{tool_result}}"}
+    ]);
+    let posted = c.chat(&thread, &script(steps)).await.unwrap();
+    let run_id = posted["run"]["id"].as_str().unwrap().to_owned();
+    let waiting = wait_status(&c, &run_id, "waiting_approval").await;
+    assert_eq!(waiting["leaseOwner"], Value::Null, "the lease is released while waiting");
+    assert_eq!(waiting["approvals"].as_array().unwrap().len(), 1, "{waiting}");
+    let approvals = pending(&c, &thread).await;
+    assert_eq!(approvals.len(), 1);
+    let approval = &approvals[0];
+    assert_eq!(approval["toolName"], "calculator");
+    assert_eq!(approval["arguments"], json!({"expression": "6*7"}));
+    assert_eq!(approval["runId"], run_id.as_str());
+    // The call is durable, unanswered, and nothing ran.
+    let msgs = messages(&c, &thread).await;
+    assert_eq!(msgs.len(), 2, "{msgs:?}");
+    assert_eq!(msgs[1]["toolCalls"][0]["id"], approval["toolCallId"]);
+
+    let r = c.post(&format!("/api/threads/{thread}/chat"), json!({"content": "another"})).await.unwrap();
+    assert_eq!(r.status, 409, "{r:?}");
+    assert_eq!(r.body["error"]["code"], "approval_required");
+    // Another principal cannot see or decide it.
+    let other = stack.client_for("intruder").unwrap();
+    assert_eq!(other.post(&format!("/api/approvals/{}/approve", id(approval)), json!({})).await.unwrap().status, 404);
+    assert_eq!(other.get(&format!("/api/threads/{thread}/approvals")).await.unwrap().status, 404);
+
+    let r = c.post(&format!("/api/approvals/{}/approve", id(approval)), json!({})).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.body["approval"]["status"], "approved");
+    assert_eq!(r.body["approval"]["argumentsEdited"], false);
+    assert_eq!(r.body["run"]["status"], "queued", "the same run is requeued");
+    assert_eq!(r.body["run"]["id"], run_id.as_str());
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let steps: Vec<&str> = run["steps"].as_array().unwrap().iter().map(|s| s["status"].as_str().unwrap()).collect();
+    assert_eq!(steps, ["waiting_approval", "completed"]);
+    let msgs = messages(&c, &thread).await;
+    let roles: Vec<&str> = msgs.iter().map(|m| m["role"].as_str().unwrap()).collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"], "no user message was invented");
+    assert_eq!(msgs[2]["content"], "42");
+    assert_eq!(msgs[3]["content"], "Result: 42");
+    assert!(msgs.iter().skip(1).all(|m| m["runId"] == run_id.as_str()));
+    // A second decision is refused.
+    let again = c.post(&format!("/api/approvals/{}/reject", id(approval)), json!({})).await.unwrap();
+    assert_eq!(again.status, 409, "{again:?}");
+    assert_eq!(again.body["error"]["code"], "approval_decided");
+}
+
+#[tokio::test]
+async fn tools_approve_with_edited_arguments_is_validated_and_recorded() {
+    let stack = start("approve_edited", json!({"tools": {"calculator": {"policy": "ask"}}}), &[]).await;
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([
+        {"toolCalls": [{"name": "calculator", "arguments": {"expression": "6*7"}}]},
+        {"text": "Result: {{tool_result}}"}
+    ]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    wait_status(&c, &run_id, "waiting_approval").await;
+    let approval = pending(&c, &thread).await.remove(0);
+    let url = format!("/api/approvals/{}/approve", id(&approval));
+    for bad in [json!({"arguments": {"expression": 5}}), json!({"arguments": {}}), json!({"arguments": "{not json"})] {
+        let r = c.post(&url, bad.clone()).await.unwrap();
+        assert_eq!(r.status, 400, "{bad}: {r:?}");
+        assert_eq!(r.body["error"]["code"], "invalid_arguments");
+    }
+    assert_eq!(pending(&c, &thread).await.len(), 1, "an invalid edit decides nothing");
+    let r = c.post(&url, json!({"arguments": "{\"expression\": \"2*3\"}"})).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.body["approval"]["argumentsEdited"], true);
+    assert_eq!(r.body["approval"]["approvedArguments"], json!({"expression": "2*3"}));
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let msgs = messages(&c, &thread).await;
+    let result = msgs[2]["content"].as_str().unwrap();
+    assert!(result.contains("edited the arguments") && result.ends_with("\n6"), "{result}");
+    assert!(msgs[3]["content"].as_str().unwrap().ends_with("\n6"), "{}", msgs[3]);
+}
+
+#[tokio::test]
+async fn tools_reject_gives_a_declined_result_and_a_batch_mixes_auto_and_ask_calls() {
+    let tools = json!({"tools": {"sleep": {"policy": "ask"}, "current_time": {"policy": "deny"}}});
+    let stack = start("reject_mixed", tools, &[]).await;
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([
+        {"toolCalls": [
+            {"name": "sleep", "arguments": {"seconds": 0}},
+            {"name": "calculator", "arguments": {"expression": "1+1"}},
+            {"name": "current_time", "arguments": {}},
+            {"name": "sleep", "arguments": {"seconds": 0.1}}
+        ]},
+        {"text": "Results: {{tool_results}}"}
+    ]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    wait_status(&c, &run_id, "waiting_approval").await;
+    // The auto call ran and the denied one was answered before the run parked.
+    let msgs = messages(&c, &thread).await;
+    let calls = msgs[1]["toolCalls"].as_array().unwrap().clone();
+    let results: Vec<&Value> = msgs.iter().filter(|m| m["role"] == "tool").collect();
+    assert_eq!(results.len(), 2, "{msgs:?}");
+    assert_eq!(results[0]["toolCallId"], calls[1]["id"]);
+    assert_eq!(results[0]["content"], "2");
+    assert_eq!(results[1]["toolCallId"], calls[2]["id"]);
+    assert!(results[1]["content"].as_str().unwrap().contains("not allowed"), "{}", results[1]);
+    let mock_tools: Vec<String> = stack.mock.requests().await.unwrap()[0]["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(!mock_tools.contains(&"current_time".to_owned()), "deny tools are not offered: {mock_tools:?}");
+
+    let approvals = pending(&c, &thread).await;
+    assert_eq!(approvals.len(), 2);
+    let first = approvals.iter().find(|a| a["toolCallId"] == calls[0]["id"]).unwrap();
+    let second = approvals.iter().find(|a| a["toolCallId"] == calls[3]["id"]).unwrap();
+    let r = c.post(&format!("/api/approvals/{}/reject", id(first)), json!({"reason": "not now"})).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.body["run"]["status"], "waiting_approval", "one call of the batch is still undecided");
+    let r = c.post(&format!("/api/approvals/{}/approve", id(second)), json!({})).await.unwrap();
+    assert_eq!(r.body["run"]["status"], "queued");
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let msgs = messages(&c, &thread).await;
+    let result_of = |call: &Value| msgs.iter().find(|m| m["toolCallId"] == call["id"]).unwrap()["content"].as_str().unwrap().to_owned();
+    assert_eq!(result_of(&calls[0]), "Tool call declined by the user. Reason: not now");
+    assert_eq!(result_of(&calls[3]), "slept 0.1 seconds");
+    let tool_rows = msgs.iter().filter(|m| m["role"] == "tool").count();
+    assert_eq!(tool_rows, 4, "every call answered exactly once");
+    let last = msgs.last().unwrap();
+    assert!(last["content"].as_str().unwrap().contains("declined by the user"), "the model saw the rejection: {last}");
+}
+
+#[tokio::test]
+async fn tools_double_approval_from_two_clients_runs_the_tool_once() {
+    let tools = json!({"tools": {"record_effect": {"policy": "ask"}}});
+    let stack = start("double_approve", tools, &[("AGENTLOOP_TEST_TOOLS", "1")]).await;
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "once"}}]}, {"text": "ok"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    wait_status(&c, &run_id, "waiting_approval").await;
+    let approval = pending(&c, &thread).await.remove(0);
+    let url = format!("/api/approvals/{}/approve", id(&approval));
+    let (a, b) = (stack.client(), stack.client());
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        let (ra, rb) = tokio::join!(a.post(&url, json!({})), b.post(&url, json!({})));
+        statuses.push(ra.unwrap().status);
+        statuses.push(rb.unwrap().status);
+    }
+    statuses.sort();
+    assert_eq!(statuses, [200, 409, 409, 409, 409, 409]);
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let db = stack.db.client().await.unwrap();
+    let effects: i64 = db.query_one("SELECT count(*) FROM agentloop_test_effects", &[]).await.unwrap().get(0);
+    assert_eq!(effects, 1, "the tool ran exactly once");
+    let results = messages(&c, &thread).await.into_iter().filter(|m| m["role"] == "tool").count();
+    assert_eq!(results, 1);
+    // A non-idempotent call goes through the ledger under the call's stable key.
+    let ops = c.get(&format!("/api/runs/{run_id}/operations")).await.unwrap().body;
+    let op = &ops["operations"][0];
+    assert_eq!(op["status"], "completed", "{ops}");
+    assert_eq!(op["key"], format!("run:{run_id}:call:{}", approval["toolCallId"].as_str().unwrap()));
+    let key: String = db.query_one("SELECT key FROM agentloop_test_effects", &[]).await.unwrap().get(0);
+    assert_eq!(key, op["key"].as_str().unwrap(), "the tool got the key as its idempotency key");
+}
+
+#[tokio::test]
+async fn tools_an_undecided_approval_expires_and_the_run_continues() {
+    let tools = json!({"tools": {"calculator": {"policy": "ask"}}});
+    let stack = start("approval_expiry", tools, &[("APPROVAL_TIMEOUT_MS", "1500")]).await;
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "calculator", "arguments": {"expression": "1+2"}}]}, {"text": "after: {{tool_result}}"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    wait_status(&c, &run_id, "waiting_approval").await;
+    let started = Instant::now();
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    assert!(started.elapsed() < Duration::from_secs(15), "expired promptly ({:?})", started.elapsed());
+    let all = c.get(&format!("/api/threads/{thread}/approvals")).await.unwrap().body;
+    assert_eq!(all["approvals"][0]["status"], "expired", "{all}");
+    assert_eq!(all["approvals"][0]["reason"], "expired");
+    let msgs = messages(&c, &thread).await;
+    assert_eq!(msgs[2]["content"], "Tool call declined by the user. Reason: expired");
+    assert_eq!(msgs[3]["content"], "after: Tool call declined by the user. Reason: expired");
+}
+
+#[tokio::test]
+async fn tools_cancelling_a_run_cancels_its_pending_approvals() {
+    let stack = start("approval_cancel", json!({"tools": {"calculator": {"policy": "ask"}}}), &[]).await;
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "calculator", "arguments": {"expression": "1+2"}}]}, {"text": "never"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    wait_status(&c, &run_id, "waiting_approval").await;
+    let approval = pending(&c, &thread).await.remove(0);
+    let r = c.post(&format!("/api/runs/{run_id}/cancel"), json!({})).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.body["status"], "cancelled");
+    assert!(pending(&c, &thread).await.is_empty());
+    let all = c.get(&format!("/api/threads/{thread}/approvals")).await.unwrap().body;
+    assert_eq!(all["approvals"][0]["status"], "cancelled");
+    let late = c.post(&format!("/api/approvals/{}/approve", id(&approval)), json!({})).await.unwrap();
+    assert_eq!(late.status, 409, "{late:?}");
+    // The dangling call got a synthetic result; the thread accepts new messages.
+    let msgs = messages(&c, &thread).await;
+    assert_eq!(msgs.iter().filter(|m| m["role"] == "tool").count(), 1);
+    let next = c.chat(&thread, &script(json!([{"text": "fresh"}]))).await.unwrap();
+    let next = c.wait_terminal(next["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(next["status"], "completed");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let run = c.get(&format!("/api/runs/{run_id}")).await.unwrap().body;
+    assert_eq!(run["status"], "cancelled");
+}
+
+/// SIGKILL while three slow non-idempotent calls are executing: after recovery every run is
+/// `blocked` with an `uncertain` operation and the effects ran once each; each resolve outcome
+/// then leads where it should, and a stale resolve is refused.
+#[tokio::test]
+async fn tools_sigkill_during_an_effect_blocks_the_run_until_resolved() {
+    let extra = [
+        ("AGENTLOOP_TEST_TOOLS", "1"),
+        ("WORKER_LEASE_MS", "2000"),
+        ("WORKER_RENEW_MS", "600"),
+        ("WORKER_CONCURRENCY", "3"),
+    ];
+    let mut stack = start("sigkill_effect", json!({}), &extra).await;
+    let c = stack.client();
+    let mut runs = Vec::new();
+    for label in ["completed", "failed", "retry"] {
+        let thread = c.create_thread().await.unwrap();
+        let steps = json!([
+            {"toolCalls": [{"name": "record_effect", "arguments": {"label": label, "seconds": 60}}]},
+            {"text": "final: {{tool_result}}"}
+        ]);
+        let run = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+        runs.push((label, thread, run));
+    }
+    let db = stack.db.client().await.unwrap();
+    let count = async |label: &str| -> i64 {
+        db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = $1", &[&label]).await.unwrap().get(0)
+    };
+    let deadline = Instant::now() + T;
+    while count("completed").await + count("failed").await + count("retry").await < 3 {
+        assert!(Instant::now() < deadline, "the effects did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stack.workers[0].signal(Sig::SIGKILL);
+    assert!(stack.workers[0].wait_exit(Duration::from_secs(5)));
+    stack.add_worker(&[]).unwrap();
+    for (_, _, run) in &runs {
+        let blocked = wait_status(&c, run, "blocked").await;
+        assert_eq!(blocked["error"]["code"], "operation_uncertain", "{blocked}");
+        assert_eq!(blocked["blocker"]["operations"][0]["status"], "uncertain", "{blocked}");
+    }
+    for label in ["completed", "failed", "retry"] {
+        assert_eq!(count(label).await, 1, "no automatic retry of {label}");
+    }
+    // Blocked is an active state: the thread refuses a new message with the default policy.
+    let r = c.post(&format!("/api/threads/{}/chat", runs[0].1), json!({"content": "hi"})).await.unwrap();
+    assert_eq!(r.status, 409, "{r:?}");
+
+    for (label, thread, run) in &runs {
+        let ops = c.get(&format!("/api/runs/{run}/operations")).await.unwrap().body;
+        let op = &ops["operations"][0];
+        assert_eq!(op["status"], "uncertain", "{ops}");
+        assert_eq!(op["dispatches"], 1);
+        let key = op["key"].as_str().unwrap().to_owned();
+        assert!(key.starts_with(&format!("run:{run}:call:")), "{key}");
+        let url = format!("/api/runs/{run}/operations/{}/resolve", key.replace(':', "%3A"));
+        let stale = c.post(&url, json!({"outcome": *label, "runUpdatedAt": "2000-01-01T00:00:00Z"})).await.unwrap();
+        assert_eq!(stale.status, 409, "{stale:?}");
+        assert_eq!(stale.body["error"]["code"], "stale_resolve");
+        let body = match *label {
+            "completed" => json!({"outcome": "completed", "result": "done by hand", "runUpdatedAt": ops["run"]["updatedAt"]}),
+            other => json!({"outcome": other}),
+        };
+        let r = c.post(&url, body).await.unwrap();
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(r.body["run"]["status"], "queued", "the same run continues");
+        let again = c.post(&url, json!({"outcome": "failed"})).await.unwrap();
+        assert_eq!(again.status, 409, "a second resolve is stale: {again:?}");
+        let done = c.wait_terminal(run, T).await.unwrap();
+        assert_eq!(done["status"], "completed", "{done}");
+        let msgs = messages(&c, thread).await;
+        let results: Vec<&Value> = msgs.iter().filter(|m| m["role"] == "tool").collect();
+        assert_eq!(results.len(), 1, "{msgs:?}");
+        let result = results[0]["content"].as_str().unwrap();
+        let last = msgs.last().unwrap()["content"].as_str().unwrap();
+        match *label {
+            "completed" => {
+                assert_eq!(result, "done by hand");
+                assert_eq!(count("completed").await, 1);
+            }
+            "failed" => {
+                assert!(result.starts_with("failed"), "{result}");
+                assert_eq!(count("failed").await, 1);
+            }
+            _ => {
+                assert_eq!(result, "recorded retry", "retried under the same key");
+                assert_eq!(count("retry").await, 2, "retry runs the effect again, once");
+            }
+        }
+        assert_eq!(last, format!("final: {result}"));
+        let op = &c.get(&format!("/api/runs/{run}/operations")).await.unwrap().body["operations"][0];
+        assert_eq!(op["resolution"], *label);
+    }
+    let keys: Vec<String> = db
+        .query("SELECT DISTINCT key FROM agentloop_test_effects WHERE label = 'retry'", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(keys.len(), 1, "the retry reused the operation's key: {keys:?}");
+}
+
+/// The test MCP server over streamable HTTP, killed on drop.
+struct McpServer {
+    url: String,
+    proc: Proc,
+}
+
+fn start_mcp_server() -> McpServer {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(bin_dir().join("mcp-test-server"))
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let url = line.trim().strip_prefix("MCP_TEST_URL=").unwrap().to_owned();
+    McpServer { url, proc: Proc { name: "mcp-test-server".into(), child } }
+}
+
+#[tokio::test]
+async fn tools_mcp_and_http_tools_are_discovered_called_and_a_down_server_is_a_tool_error() {
+    let mut mcp = start_mcp_server();
+    let down = format!("http://127.0.0.1:{}/mcp", free_port());
+    let tools = json!({
+        "mcpServers": [
+            {"name": "web", "transport": "http", "url": format!("{}/mcp", mcp.url)},
+            {"name": "local", "transport": "stdio", "command": bin_dir().join("mcp-test-server").display().to_string(), "args": ["--stdio"]},
+            {"name": "down", "transport": "http", "url": down, "connectTimeoutMs": 2000}
+        ],
+        "httpTools": [{"name": "notify", "description": "Notify someone.", "url": format!("{}/http-tool", mcp.url),
+                       "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}]
+    });
+    let stack = start("mcp_tools", tools, &[]).await;
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([
+        {"toolCalls": [
+            {"name": "web__echo", "arguments": {"text": "hi"}},
+            {"name": "local__add", "arguments": {"a": 2, "b": 3}},
+            {"name": "down__echo", "arguments": {"text": "x"}},
+            {"name": "web__ticket", "arguments": {"title": "T1"}},
+            {"name": "notify", "arguments": {"text": "n"}},
+            {"name": "web__echo", "arguments": {"text": 7}}
+        ]},
+        {"text": "done"}
+    ]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    // Discovery: the tools were offered with their schemas.
+    let sent = stack.mock.requests().await.unwrap();
+    let offered: Vec<&Value> = sent[0]["tools"].as_array().unwrap().iter().collect();
+    let names: Vec<&str> = offered.iter().map(|t| t["function"]["name"].as_str().unwrap()).collect();
+    for name in ["calculator", "web__echo", "web__add", "web__ticket", "local__echo", "local__add", "notify"] {
+        assert!(names.contains(&name), "{name} offered: {names:?}");
+    }
+    assert!(!names.iter().any(|n| n.starts_with("down__")));
+    let echo = offered.iter().find(|t| t["function"]["name"] == "web__echo").unwrap();
+    assert_eq!(echo["function"]["parameters"]["required"], json!(["text"]));
+    // Results, in call order.
+    let msgs = messages(&c, &thread).await;
+    let calls = msgs[1]["toolCalls"].as_array().unwrap().clone();
+    let result = |i: usize| msgs.iter().find(|m| m["toolCallId"] == calls[i]["id"]).unwrap()["content"].as_str().unwrap().to_owned();
+    assert_eq!(result(0), "echo: hi");
+    assert_eq!(result(1), "5");
+    assert!(result(2).starts_with("MCP server `down` is unavailable"), "{}", result(2));
+    assert_eq!(result(3), "ticket #1 created: T1");
+    assert_eq!(result(4), "ok: {\"text\":\"n\"}");
+    assert!(result(5).contains("must be of type string"), "arguments are validated before the call: {}", result(5));
+    // Idempotency keys: MCP `_meta.idempotencyKey` and the HTTP tool's `Idempotency-Key`.
+    let seen: Vec<Value> = reqwest::get(format!("{}/calls", mcp.url)).await.unwrap().json().await.unwrap();
+    let key_of = |tool: &str| seen.iter().find(|c| c["tool"] == tool).unwrap()["idempotencyKey"].clone();
+    assert_eq!(key_of("ticket"), format!("run:{run_id}:call:{}", calls[3]["id"].as_str().unwrap()));
+    assert_eq!(key_of("http-tool"), format!("run:{run_id}:call:{}", calls[4]["id"].as_str().unwrap()));
+    assert_eq!(seen.iter().filter(|c| c["tool"] == "echo").count(), 1, "the invalid call never reached the server");
+    // The ledger holds the non-idempotent calls only (read-only MCP tools skip it).
+    let ops = c.get(&format!("/api/runs/{run_id}/operations")).await.unwrap().body;
+    let mut ledger: Vec<&str> = ops["operations"].as_array().unwrap().iter().map(|o| o["toolName"].as_str().unwrap()).collect();
+    ledger.sort();
+    assert_eq!(ledger, ["notify", "web__ticket"], "{ops}");
+    assert!(ops["operations"].as_array().unwrap().iter().all(|o| o["status"] == "completed"));
+
+    // The server goes away: the next call is a clear tool error, not a failed run.
+    mcp.proc.signal(Sig::SIGKILL);
+    mcp.proc.wait_exit(Duration::from_secs(5));
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "web__echo", "arguments": {"text": "again"}}]}, {"text": "{{tool_result}}"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let msgs = messages(&c, &thread).await;
+    let error = msgs[2]["content"].as_str().unwrap();
+    assert!(error.contains("MCP server `web`"), "{error}");
+}
+
+/// Whether `cmd arg` runs successfully.
+fn works(cmd: &str, arg: &str) -> bool {
+    Command::new(cmd).arg(arg).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+/// A thread of the loopback principal whose run is `blocked` on an uncertain `record_effect`
+/// operation (as a SIGKILL during the effect leaves it), seeded with SQL. Its user message
+/// scripts the mock's answer once the run continues: `final: <the call's result>`.
+async fn seed_blocked_thread(db: &tokio_postgres::Client) -> uuid::Uuid {
+    let owner: uuid::Uuid = db.query_one("SELECT id FROM principals WHERE name = 'local'", &[]).await.unwrap().get(0);
+    let (thread, run) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    let key = format!("run:{run}:call:call_seed");
+    let user = script(json!([
+        {"toolCalls": [{"name": "record_effect", "arguments": {"label": "seed"}}]},
+        {"text": "final: {{tool_result}}"}
+    ]));
+    let calls = json!([{"id": "call_seed", "type": "function", "function": {"name": "record_effect", "arguments": "{\"label\":\"seed\"}"}}]);
+    let message = format!(
+        "the outcome of record_effect ({key}) is unknown (the worker stopped after dispatching it); resolve it as completed, failed or retry"
+    );
+    db.batch_execute("BEGIN").await.unwrap();
+    db.execute(
+        "INSERT INTO threads (id, owner_id, title, message_count, last_sequence, last_timestamp_ms) VALUES ($1, $2, 'blocked run', 2, 2, 1700000000002)",
+        &[&thread, &owner],
+    )
+    .await
+    .unwrap();
+    db.execute(
+        "INSERT INTO runs (id, thread_id, principal_id, status, model, steps_used, attempts, lease_epoch, error_code, error_message, started_at)
+         VALUES ($1, $2, $3, 'blocked', 'mock', 1, 1, 1, 'operation_uncertain', $4, now())",
+        &[&run, &thread, &owner, &message],
+    )
+    .await
+    .unwrap();
+    db.execute(
+        "INSERT INTO messages (thread_id, sequence, timestamp_ms, role, content, run_id) VALUES ($1, 1, 1700000000001, 'user', to_jsonb($2::text), NULL)",
+        &[&thread, &user],
+    )
+    .await
+    .unwrap();
+    db.execute(
+        "INSERT INTO messages (thread_id, sequence, timestamp_ms, role, content, tool_calls, run_id) VALUES ($1, 2, 1700000000002, 'assistant', '\"\"'::jsonb, ($2::text)::jsonb, $3)",
+        &[&thread, &calls.to_string(), &run],
+    )
+    .await
+    .unwrap();
+    db.execute(
+        "INSERT INTO operations (key, run_id, thread_id, tool_call_id, tool_name, arguments, status, dispatches, lease_epoch, dispatched_at)
+         VALUES ($1, $2, $3, 'call_seed', 'record_effect', '{\"label\":\"seed\"}', 'uncertain', 1, 1, now())",
+        &[&key, &run, &thread],
+    )
+    .await
+    .unwrap();
+    db.batch_execute("COMMIT").await.unwrap();
+    thread
+}
+
+/// The web UI's approval panel (edit + approve, reject with a reason) and a blocked run's
+/// resolve buttons, in headless Chromium (`tests/browser/tools.spec.mjs`). Skipped, like the
+/// other browser tests, when node/npm/Chromium are missing — unless `CI` is set.
+#[tokio::test]
+async fn tools_web_ui_approvals_and_blocked_runs() {
+    const CHROMIUM: &str = "/usr/bin/chromium";
+    let missing: Vec<&str> = [("node", works("node", "--version")), ("npm", works("npm", "--version")), (CHROMIUM, std::path::Path::new(CHROMIUM).exists())]
+        .into_iter()
+        .filter(|(_, ok)| !ok)
+        .map(|(name, _)| name)
+        .collect();
+    if !missing.is_empty() {
+        assert!(std::env::var_os("CI").is_none(), "browser tests: missing {missing:?} (CI is set)");
+        println!("SKIPPED tools browser test: missing {missing:?}");
+        return;
+    }
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("browser");
+    if !dir.join("node_modules/playwright-core/package.json").exists() {
+        let status = Command::new("npm")
+            .args(["ci", "--no-audit", "--no-fund"])
+            .current_dir(&dir)
+            .env("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
+            .status()
+            .unwrap();
+        assert!(status.success(), "npm ci in tests/browser failed");
+    }
+    let options = StackOptions {
+        api_env: vec![("DEV_LOOPBACK_PRINCIPAL".into(), "true".into())],
+        worker_env: tools_env("tools_browser", json!({"tools": {"calculator": {"policy": "ask"}}}), &[("AGENTLOOP_TEST_TOOLS", "1")]),
+        ..Default::default()
+    };
+    let stack = Stack::start("tools_browser", options).await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    let blocked = seed_blocked_thread(&db).await;
+    let out_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../test-output/browser");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let child = tokio::process::Command::new("node")
+        .arg("tools.spec.mjs")
+        .current_dir(&dir)
+        .env("API_URL", &stack.api_url)
+        .env("BLOCKED_THREAD_ID", blocked.to_string())
+        .env("OUT_DIR", &out_dir)
+        .env("CHROMIUM", CHROMIUM)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let output = tokio::time::timeout(Duration::from_secs(180), child.wait_with_output())
+        .await
+        .expect("the tools browser tests did not finish within 180 s")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let _ = std::fs::write(out_dir.join("tools-run.log"), format!("{stdout}\n--- stderr ---\n{stderr}"));
+    println!("{stdout}");
+    assert!(output.status.success(), "tools browser tests failed; see test-output/browser/tools-run.log:\n{stdout}\n{stderr}");
+    let run: String = db.query_one("SELECT status FROM runs r JOIN threads t ON t.id = r.thread_id WHERE t.id = $1", &[&blocked]).await.unwrap().get(0);
+    assert_eq!(run, "completed");
+}
