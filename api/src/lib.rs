@@ -161,6 +161,8 @@ impl Application {
                 .configure(routes::configure)
         })
         .shutdown_timeout(5)
+        // SSE events are small writes: without TCP_NODELAY each waits ~35 ms for Nagle/delayed ACK.
+        .tcp_nodelay(true)
         .listen(listener)?;
         if let Some(workers) = config.http_workers {
             server = server.workers(workers);
