@@ -17,7 +17,7 @@ use crate::{events, snapshots};
 pub async fn deactivate(conn: &mut AsyncPgConnection, thread_id: Uuid, sequences: &[i64]) -> QueryResult<Vec<i64>> {
     let mut done: Vec<i64> = diesel::update(messages::table)
         .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .filter(messages::sequence.eq_any(sequences))
         .set(messages::active.eq(false))
         .returning(messages::sequence)
@@ -43,7 +43,7 @@ pub async fn deactivate(conn: &mut AsyncPgConnection, thread_id: Uuid, sequences
 pub async fn active_from(conn: &mut AsyncPgConnection, thread_id: Uuid, from: i64) -> QueryResult<Vec<i64>> {
     messages::table
         .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .filter(messages::sequence.ge(from))
         .select(messages::sequence)
         .load(conn)
@@ -54,7 +54,7 @@ pub async fn active_from(conn: &mut AsyncPgConnection, thread_id: Uuid, from: i6
 pub async fn active_at(conn: &mut AsyncPgConnection, thread_id: Uuid, sequence: i64) -> QueryResult<Option<Message>> {
     messages::table
         .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .filter(messages::sequence.eq(sequence))
         .select(Message::as_select())
         .first(conn)
@@ -69,7 +69,7 @@ pub async fn tool_group(conn: &mut AsyncPgConnection, message: &Message) -> Quer
         // The nearest active assistant tool-call message before the result.
         messages::table
             .filter(messages::thread_id.eq(message.thread_id))
-            .filter(messages::active.eq(true))
+            .filter(messages::active)
             .filter(messages::sequence.lt(message.sequence))
             .filter(messages::role.ne(role::TOOL))
             .order(messages::sequence.desc())
@@ -87,7 +87,7 @@ pub async fn tool_group(conn: &mut AsyncPgConnection, message: &Message) -> Quer
     // The call plus the contiguous tool results after it.
     let after: Vec<(i64, String)> = messages::table
         .filter(messages::thread_id.eq(call.thread_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .filter(messages::sequence.gt(call.sequence))
         .order(messages::sequence.asc())
         .limit(256)

@@ -215,7 +215,7 @@ pub async fn append(
 pub async fn active_after(conn: &mut AsyncPgConnection, thread_id: Uuid, after: i64) -> QueryResult<Vec<Message>> {
     messages::table
         .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .filter(messages::sequence.gt(after))
         .order(messages::sequence.asc())
         .select(Message::as_select())
@@ -233,7 +233,7 @@ pub async fn head_and_tail(
 ) -> QueryResult<(Vec<Message>, Vec<Message>)> {
     let first = messages::table
         .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .order(messages::sequence.asc())
         .limit(head)
         .select(Message::as_select())
@@ -241,7 +241,7 @@ pub async fn head_and_tail(
         .await?;
     let mut last: Vec<Message> = messages::table
         .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .order(messages::sequence.desc())
         .limit(tail)
         .select(Message::as_select())
@@ -289,7 +289,7 @@ pub const CANCELLED_TOOL_RESULT: &str = "[cancelled: the run ended before this t
 pub async fn close_dangling_tool_calls(conn: &mut AsyncPgConnection, thread_id: Uuid, run_id: Uuid) -> QueryResult<usize> {
     let last_call: Option<Message> = messages::table
         .filter(messages::run_id.eq(run_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .filter(messages::role.eq(role::ASSISTANT))
         .filter(messages::tool_calls.is_not_null())
         .order(messages::sequence.desc())
@@ -300,7 +300,7 @@ pub async fn close_dangling_tool_calls(conn: &mut AsyncPgConnection, thread_id: 
     let Some(call) = last_call else { return Ok(0) };
     let answered: Vec<Option<String>> = messages::table
         .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .filter(messages::sequence.gt(call.sequence))
         .filter(messages::role.eq(role::TOOL))
         .select(messages::tool_call_id)
@@ -436,7 +436,7 @@ pub async fn active_exists_around(
 pub async fn instructions_before(conn: &mut AsyncPgConnection, thread_id: Uuid, sequence: i64) -> QueryResult<Vec<Message>> {
     messages::table
         .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .filter(messages::sequence.lt(sequence))
         .filter(messages::role.eq_any([role::SYSTEM, role::DEVELOPER]))
         .order(messages::sequence.asc())
@@ -455,7 +455,7 @@ pub async fn last_tool_call_group(
 ) -> QueryResult<Option<(Message, Vec<String>)>> {
     let last_call: Option<Message> = messages::table
         .filter(messages::run_id.eq(run_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .filter(messages::role.eq(role::ASSISTANT))
         .filter(messages::tool_calls.is_not_null())
         .order(messages::sequence.desc())
@@ -466,7 +466,7 @@ pub async fn last_tool_call_group(
     let Some(call) = last_call else { return Ok(None) };
     let answered: Vec<Option<String>> = messages::table
         .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .filter(messages::sequence.gt(call.sequence))
         .filter(messages::role.eq(role::TOOL))
         .select(messages::tool_call_id)
@@ -508,7 +508,7 @@ pub fn tool_calls_of(tool_calls: Option<&serde_json::Value>) -> Vec<ToolCallRef>
 pub async fn active_totals_after(conn: &mut AsyncPgConnection, thread_id: Uuid, sequence: i64) -> QueryResult<(i64, i64)> {
     let (count, tokens): (i64, Option<i64>) = messages::table
         .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active.eq(true))
+        .filter(messages::active)
         .filter(messages::sequence.gt(sequence))
         .select((diesel::dsl::count_star(), diesel::dsl::sum(messages::token_estimate)))
         .get_result(conn)

@@ -272,6 +272,89 @@ async fn tools_cancelling_a_run_cancels_its_pending_approvals() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let run = c.get(&format!("/api/runs/{run_id}")).await.unwrap().body;
     assert_eq!(run["status"], "cancelled");
+
+    // Deleting a thread cancels its waiting run and the run's pending approvals too.
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "calculator", "arguments": {"expression": "3+4"}}]}, {"text": "never"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    wait_status(&c, &run_id, "waiting_approval").await;
+    let r = c.send(reqwest::Method::DELETE, &format!("/api/threads/{thread}"), None, &[]).await.unwrap();
+    assert!(r.status == 204 || r.status == 200, "{r:?}");
+    let db = stack.db.client().await.unwrap();
+    let row = db
+        .query_one(
+            "SELECT r.status, a.status FROM runs r JOIN tool_approvals a ON a.run_id = r.id WHERE r.id = $1::text::uuid",
+            &[&run_id],
+        )
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, String>(0), row.get::<_, String>(1)), ("cancelled".to_owned(), "cancelled".to_owned()));
+}
+
+/// Cancelling a run while its non-idempotent call is in flight leaves the effect's outcome
+/// unknown: the run is `blocked`, not `cancelled`; a second cancel then ends it.
+#[tokio::test]
+async fn tools_cancel_during_an_effect_blocks_the_run() {
+    let stack = start("cancel_effect", json!({}), &[("AGENTLOOP_TEST_TOOLS", "1")]).await;
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "slow", "seconds": 30}}]}, {"text": "never"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let db = stack.db.client().await.unwrap();
+    let deadline = Instant::now() + T;
+    loop {
+        let n: i64 = db.query_one("SELECT count(*) FROM agentloop_test_effects", &[]).await.unwrap().get(0);
+        if n == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the effect did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(c.post(&format!("/api/runs/{run_id}/cancel"), json!({})).await.unwrap().status, 200);
+    let blocked = wait_status(&c, &run_id, "blocked").await;
+    assert_eq!(blocked["blocker"]["operations"][0]["status"], "uncertain", "{blocked}");
+    let r = c.post(&format!("/api/runs/{run_id}/cancel"), json!({})).await.unwrap();
+    assert_eq!(r.body["status"], "cancelled", "{r:?}");
+    let ops = c.get(&format!("/api/runs/{run_id}/operations")).await.unwrap().body;
+    assert_eq!(ops["operations"][0]["status"], "uncertain", "the record stays: {ops}");
+}
+
+/// SPEC §7/§12: at most 64 operation rows are kept per run (the oldest finished ones go).
+#[tokio::test]
+async fn tools_the_ledger_keeps_at_most_64_operations_per_run() {
+    let stack = start("ledger_bound", json!({}), &[("AGENTLOOP_TEST_TOOLS", "1")]).await;
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let calls: Vec<Value> = (0..70).map(|i| json!({"name": "record_effect", "arguments": {"label": format!("e{i}")}})).collect();
+    let steps = json!([{"toolCalls": calls}, {"text": "done"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let run = c.wait_terminal(&run_id, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let db = stack.db.client().await.unwrap();
+    let effects: i64 = db.query_one("SELECT count(*) FROM agentloop_test_effects", &[]).await.unwrap().get(0);
+    assert_eq!(effects, 70);
+    let ops = c.get(&format!("/api/runs/{run_id}/operations")).await.unwrap().body;
+    let ops = ops["operations"].as_array().unwrap();
+    assert_eq!(ops.len(), 64);
+    assert!(ops.iter().all(|o| o["status"] == "completed"));
+    let labels: Vec<&str> = ops.iter().map(|o| o["arguments"]["label"].as_str().unwrap()).collect();
+    assert!(!labels.contains(&"e0") && labels.contains(&"e69"), "the oldest rows went: {labels:?}");
+}
+
+/// The stateless endpoint has nobody to ask: an `ask` call fails closed with an error result.
+#[tokio::test]
+async fn tools_an_ask_call_from_the_stateless_endpoint_fails_closed() {
+    let stack = start("approval_stateless", json!({"tools": {"calculator": {"policy": "ask"}}}), &[]).await;
+    let c = stack.client();
+    let steps = json!([{"toolCalls": [{"name": "calculator", "arguments": {"expression": "6*7"}}]}, {"text": "{{tool_result}}"}]);
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
+    let r = tokio::time::timeout(T, c.post("/v1/chat/completions", body)).await.expect("no hang").unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    let content = r.body["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(content.contains("no interactive owner"), "{content}");
+    let db = stack.db.client().await.unwrap();
+    let approvals: i64 = db.query_one("SELECT count(*) FROM tool_approvals", &[]).await.unwrap().get(0);
+    assert_eq!(approvals, 0);
 }
 
 /// SIGKILL while three slow non-idempotent calls are executing: after recovery every run is

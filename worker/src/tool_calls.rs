@@ -13,7 +13,8 @@
 //! - an approval row decides: `approved` runs with the approved (maybe edited) arguments,
 //!   `rejected`/`expired`/`cancelled` gets "Tool call declined by the user.";
 //! - otherwise the policy: `deny` gets an error result, `ask` (with valid arguments) joins the
-//!   approval batch, `auto` runs.
+//!   approval batch — or, on the stateless endpoint's thread where nobody can decide, fails
+//!   closed with an error result — and `auto` runs.
 //!
 //! When the batch needs approvals, its rows are inserted in the fenced transaction that parks
 //! the run in `waiting_approval` and releases the lease; the `auto` calls have run by then.
@@ -55,6 +56,12 @@ pub struct BatchOutcome {
     pub answered: u32,
     /// The slice ended (the run waits for approval or is blocked): stop, the lease is released.
     pub ended: bool,
+}
+
+/// Text an `ask` call gets when nobody can approve it (the stateless endpoint's hidden thread,
+/// `metadata.stateless = true`): it fails closed.
+fn no_owner(name: &str) -> String {
+    format!("Tool `{name}` needs a human approval, and this request has no interactive owner (stateless API): it was not run.")
 }
 
 /// Text a call of a `deny` tool gets.
@@ -114,6 +121,7 @@ pub async fn run_batch(
         approvals::for_run(&mut conn, run.id).await?
     };
     let mut needs: Vec<NewApproval> = Vec::new();
+    let mut interactive: Option<bool> = None;
     for call in batch.calls.iter().filter(|c| !batch.answered.contains(&c.id)) {
         let approval = approvals.iter().find(|a| a.tool_call_id == call.id);
         let step = match approval.map(|a| a.status.as_str()) {
@@ -139,6 +147,9 @@ pub async fn run_batch(
             }
             None => match env.tools.policy(&call.name) {
                 Policy::Deny => Step::Answer(result_for(call, denied(&call.name))),
+                Policy::Ask if !is_interactive(env, run, &mut interactive).await? => {
+                    Step::Answer(result_for(call, no_owner(&call.name)))
+                }
                 Policy::Ask => match env.tools.prepare(&call.name, &call.arguments).await {
                     Ok((tool, arguments)) => {
                         needs.push(NewApproval {
@@ -176,18 +187,38 @@ pub async fn run_batch(
     if !needs.is_empty() {
         let (step_id, usage, timeout) = (state.step_id, state.usage, env.approval_timeout);
         let sequence = batch.message_sequence;
-        fenced!(env.pool, lease, |conn| {
+        let parked = fenced!(env.pool, lease, |conn| {
+            // A cancellation requested while the batch ran wins: nobody would decide.
+            if lease.fence(conn).await?.cancel_requested {
+                lease::end_slice(conn, lease, step_id, usage, &SliceEnd::Cancelled).await?;
+                return Ok(false);
+            }
             approvals::insert_batch(conn, lease.run_id, lease.thread_id, sequence, &needs, timeout).await?;
             lease::end_slice(conn, lease, step_id, usage, &SliceEnd::WaitingApproval).await?;
             // Workers re-read the earliest approval deadline (their expiry timer).
             agentloop_shared::events::notify_runs(conn, "approval", lease.run_id).await?;
-            Ok(())
+            Ok(true)
         })?;
-        tracing::info!(approvals = needs.len(), "tool calls need approval: the run waits");
-        metrics::counter!("agentloop_tool_approvals_requested_total").increment(needs.len() as u64);
+        if parked {
+            tracing::info!(approvals = needs.len(), "tool calls need approval: the run waits");
+            metrics::counter!("agentloop_tool_approvals_requested_total").increment(needs.len() as u64);
+        }
         out.ended = true;
     }
     Ok(out)
+}
+
+/// Whether someone can decide approvals for `run` (its thread is not the stateless endpoint's);
+/// read once per batch.
+async fn is_interactive(env: &SliceEnv, run: &Run, cached: &mut Option<bool>) -> Result<bool, SliceError> {
+    if let Some(known) = *cached {
+        return Ok(known);
+    }
+    let mut conn = env.pool.get().await?;
+    let metadata = agentloop_shared::threads::get(&mut conn, run.thread_id).await?.metadata;
+    let known = metadata.get("stateless").and_then(Value::as_bool) != Some(true);
+    *cached = Some(known);
+    Ok(known)
 }
 
 /// What happened to one call.

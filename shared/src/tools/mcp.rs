@@ -131,7 +131,11 @@ impl McpServer {
             McpTransport::Stdio => {
                 let mut command = tokio::process::Command::new(self.config.command.clone().unwrap_or_default());
                 command.args(&self.config.args).envs(&self.config.env).kill_on_drop(true);
-                let transport = rmcp::transport::TokioChildProcess::new(command).map_err(|e| format!("cannot start: {e}"))?;
+                // The server's stderr goes to the worker's log stream.
+                let (transport, _) = rmcp::transport::TokioChildProcess::builder(command)
+                    .stderr(std::process::Stdio::inherit())
+                    .spawn()
+                    .map_err(|e| format!("cannot start: {e}"))?;
                 ().serve(transport).await.map_err(|e| format!("cannot connect: {e}"))?
             }
         };

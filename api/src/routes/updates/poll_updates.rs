@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::json;
 use uuid::Uuid;
 
-use super::{Batch, next_batch, resume_cursor};
+use super::{Batch, resume_cursor};
 use crate::AppState;
 use crate::error::ApiError;
 use crate::extract::Authenticated;
@@ -46,9 +46,11 @@ pub async fn poll_updates(
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         wake.borrow_and_update();
-        let mut conn = state.pool.get().await?;
-        let current = threads::get(&mut conn, thread_id).await?.last_event_sequence;
-        match next_batch(&mut conn, thread_id, cursor, current).await? {
+        let batch = state.hub.next_batch(&state.pool, thread_id, cursor).await.map_err(|e| ApiError::Unavailable {
+            code: "database_unavailable",
+            message: format!("database unavailable: {e}"),
+        })?;
+        match batch {
             Batch::Reset { sequence } => {
                 return Ok(HttpResponse::Ok().json(json!({"events": [], "nextSequence": sequence, "reset": true})));
             }
@@ -58,7 +60,6 @@ pub async fn poll_updates(
             }
             Batch::Events(_) => {}
         }
-        drop(conn);
         tokio::select! {
             changed = wake.changed() => if changed.is_err() { break },
             _ = tokio::time::sleep_until(deadline) => break,

@@ -10,7 +10,7 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
-use super::{Batch, next_batch, resume_cursor};
+use super::{Batch, resume_cursor};
 use crate::error::ApiError;
 use crate::extract::Authenticated;
 use crate::{AppState, Transport, views};
@@ -87,12 +87,7 @@ async fn pump(
     let _client = LiveClient::new();
     loop {
         wake.borrow_and_update();
-        let batch = async {
-            let mut conn = state.pool.get().await.map_err(|e| e.to_string())?;
-            let current = agentloop_shared::threads::get(&mut conn, thread_id).await.map_err(|e| e.to_string())?.last_event_sequence;
-            next_batch(&mut conn, thread_id, cursor, current).await.map_err(|e| e.to_string())
-        }
-        .await;
+        let batch = state.hub.next_batch(&state.pool, thread_id, cursor).await;
         let mut sent_any = false;
         match batch {
             Ok(Batch::Events(events)) => {
