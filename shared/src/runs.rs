@@ -321,3 +321,17 @@ pub async fn request_cancel(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResu
         _ => Ok(run),
     }
 }
+
+/// Locks the thread's active run, if any (`FOR UPDATE`). Lock order everywhere is: active run,
+/// then thread, then pending runs — the order a worker's slice takes them (fence, history
+/// append, FIFO promotion) — so api commands that touch runs never deadlock with a worker.
+pub async fn lock_active(conn: &mut AsyncPgConnection, thread_id: Uuid) -> QueryResult<Option<Run>> {
+    runs::table
+        .filter(runs::thread_id.eq(thread_id))
+        .filter(runs::status.eq_any(status::ACTIVE))
+        .select(Run::as_select())
+        .for_update()
+        .first(conn)
+        .await
+        .optional()
+}

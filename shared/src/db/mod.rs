@@ -40,8 +40,11 @@ pub enum DbError {
 
 /// Builds a pool of at most `max_size` connections to `database_url`.
 ///
-/// Each new connection runs `SET application_name = <application_name>` and
-/// `SET statement_timeout = <statement_timeout>` (milliseconds) before first use.
+/// Each new connection runs `SET application_name = <application_name>`,
+/// `SET statement_timeout = <statement_timeout>` (milliseconds) and
+/// `SET idle_in_transaction_session_timeout = 5000` before first use: a process stalled inside a
+/// transaction (SIGSTOP, a hung host) loses its session after 5 s, releasing the row locks that
+/// would otherwise hide its run from `SKIP LOCKED` recovery claims.
 pub fn build_pool(
     database_url: &str,
     max_size: usize,
@@ -49,7 +52,7 @@ pub fn build_pool(
     statement_timeout: Duration,
 ) -> Result<PgPool, DbError> {
     let setup_sql = format!(
-        "SET application_name = '{}'; SET statement_timeout = {}",
+        "SET application_name = '{}'; SET statement_timeout = {}; SET idle_in_transaction_session_timeout = 5000",
         application_name.replace('\'', ""),
         statement_timeout.as_millis()
     );

@@ -130,6 +130,7 @@ pub async fn post_chat(
                     }
                 }
             }
+            runs::lock_active(conn, thread_id).await?; // lock order: active run, thread, pending runs
             let thread = threads::lock_owned(conn, thread_id, principal).await?.ok_or(ApiError::NotFound)?;
             let policy = match requested_policy {
                 Some(p) => p,

@@ -96,7 +96,14 @@ pub async fn chat_completions(
     let finished = loop {
         wake.borrow_and_update();
         let mut conn = state.pool.get().await?;
-        let current = runs::get(&mut conn, run.id).await?;
+        let mut current = runs::get(&mut conn, run.id).await?;
+        if matches!(current.status.as_str(), status::BLOCKED | status::WAITING_APPROVAL) {
+            // Nobody can resolve it for a stateless caller: end the run, keep its error.
+            let error = (current.error_code.clone(), current.error_message.clone());
+            current = (*conn).transaction(async |conn| runs::request_cancel(conn, run.id).await).await?;
+            (current.error_code, current.error_message) = error;
+            current.error_code.get_or_insert_with(|| "operation_uncertain".into());
+        }
         if current.is_terminal() {
             break current;
         }

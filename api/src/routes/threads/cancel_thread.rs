@@ -24,6 +24,7 @@ pub async fn cancel_thread(
     let (thread_id, owner) = (path.into_inner(), who.0.id);
     let cancelled = (*conn)
         .transaction(async |conn| {
+            runs::lock_active(conn, thread_id).await?; // lock order: active run, thread, pending runs
             let Some(thread) = threads::lock_owned(conn, thread_id, owner).await? else {
                 return Ok(None);
             };

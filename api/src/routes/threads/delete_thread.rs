@@ -20,6 +20,7 @@ pub async fn delete_thread(state: web::Data<AppState>, who: Authenticated, path:
     let mut conn = state.pool.get().await?;
     (*conn)
         .transaction(async |conn| -> Result<(), ApiError> {
+            runs::lock_active(conn, id).await?; // lock order: active run, thread, pending runs
             threads::lock_owned(conn, id, owner).await?.ok_or(ApiError::NotFound)?;
             let open: Vec<Uuid> = r::table
                 .filter(r::thread_id.eq(id))
