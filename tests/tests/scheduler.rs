@@ -402,3 +402,22 @@ async fn idle_workers_do_not_poll_the_queue() {
     let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), T).await.unwrap();
     assert!(ts(&run["startedAt"]) - ts(&run["createdAt"]) < chrono::Duration::seconds(1));
 }
+
+#[tokio::test]
+async fn a_queued_run_skipped_while_locked_is_claimed_once_the_lock_is_gone() {
+    let mut stack = Stack::start("skip_locked", StackOptions { workers: 0, ..Default::default() }).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let posted = c.chat(&thread, &script(json!([{"text": "eventually"}]))).await.unwrap();
+    // Another transaction (like an api command) holds the queued run's row lock while the
+    // worker's claim pass runs, so SKIP LOCKED passes over it and no notification follows.
+    let db = stack.db.client().await.unwrap();
+    db.batch_execute("BEGIN; SELECT id FROM runs FOR UPDATE").await.unwrap();
+    stack.add_worker(&[]).unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    db.batch_execute("COMMIT").await.unwrap();
+    let released = Instant::now();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), Duration::from_secs(10)).await.unwrap();
+    assert_eq!(run["status"], "completed");
+    assert!(released.elapsed() < Duration::from_secs(3), "claimed {:?} after the lock was released", released.elapsed());
+}

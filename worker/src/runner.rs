@@ -116,11 +116,15 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         if pass_wanted && slices.len() < slots {
             let free = slots - slices.len();
             match claim_pass(&pool, &worker_id, free, config.lease).await {
-                Ok((claimed, expiry)) => {
+                Ok((claimed, expiry, skipped)) => {
                     pass_wanted = claimed.len() == free;
                     next_timer = expiry.map_or(config.safety_poll, |ms| {
                         Duration::from_millis(ms.max(0) as u64 + 50).min(config.safety_poll)
                     });
+                    if skipped {
+                        // A queued run was locked by someone else's transaction: look again soon.
+                        next_timer = next_timer.min(Duration::from_millis(100));
+                    }
                     for run in claimed {
                         tracing::info!(run.id = %run.id, run.attempt = run.attempts, "claimed");
                         metrics::counter!("agentloop_claims_total").increment(1);
@@ -187,15 +191,17 @@ async fn sweep_approvals(pool: &PgPool) -> anyhow::Result<(usize, Option<i64>)> 
 }
 
 /// One claim pass: claims up to `free` runs, then reads the earliest lease expiry of runs this
-/// worker does not hold (the recovery timer).
+/// worker does not hold (the recovery timer) and whether a queued run was left behind (skipped
+/// while locked by another transaction).
 async fn claim_pass(
     pool: &PgPool,
     worker_id: &str,
     free: usize,
     lease: Duration,
-) -> anyhow::Result<(Vec<agentloop_shared::runs::Run>, Option<i64>)> {
+) -> anyhow::Result<(Vec<agentloop_shared::runs::Run>, Option<i64>, bool)> {
     let mut conn = pool.get().await?;
     let claimed = sched::claim(&mut conn, worker_id, free as i64, lease).await?;
     let expiry = next_lease_expiry_ms(&mut conn, worker_id).await?;
-    Ok((claimed, expiry))
+    let skipped = claimed.len() < free && sched::claim::any_queued(&mut conn).await?;
+    Ok((claimed, expiry, skipped))
 }

@@ -65,3 +65,15 @@ pub async fn next_lease_expiry_ms(conn: &mut AsyncPgConnection, worker_id: &str)
     .await?;
     Ok(row.ms)
 }
+
+/// Whether any run is still `queued` (an index probe on `runs_claimable`, no lock). After a claim
+/// pass that took fewer runs than it had slots for, a `true` means some queued row was skipped
+/// because another transaction held its lock (e.g. an api command reading it `FOR UPDATE`):
+/// the caller retries shortly instead of waiting for a notification that will not come.
+pub async fn any_queued(conn: &mut AsyncPgConnection) -> diesel::QueryResult<bool> {
+    use crate::db::schema::runs;
+    use diesel::{ExpressionMethods, QueryDsl};
+    diesel::select(diesel::dsl::exists(runs::table.filter(runs::status.eq("queued"))))
+        .get_result(conn)
+        .await
+}
