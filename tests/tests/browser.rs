@@ -1,7 +1,8 @@
 //! Browser tests of the web UI (issue 5): starts a stack (api with `DEV_LOOPBACK_PRINCIPAL=true`,
 //! one worker, the mock model), seeds a 10,000-message thread with SQL, then runs
 //! `node tests/browser/run.mjs` (playwright-core driving Debian's Chromium at
-//! `/usr/bin/chromium`) and requires exit status 0. Screenshots: `test-output/browser/`.
+//! `/usr/bin/chromium`), then `node tests/browser/branches.spec.mjs` (edit/regenerate/delete,
+//! compaction, queued turns), and requires exit status 0 of each. Screenshots: `test-output/browser/`.
 //!
 //! Without `node`/`npm` or `/usr/bin/chromium` the test prints why and passes — unless `CI` is
 //! set, where missing tools are a failure (`.ci/run` installs them). A missing
@@ -108,32 +109,35 @@ async fn web_ui_in_headless_chromium() {
 
     let out_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../test-output/browser");
     std::fs::create_dir_all(&out_dir).unwrap();
-    let started = Instant::now();
-    let child = tokio::process::Command::new("node")
-        .arg("run.mjs")
-        .current_dir(&dir)
-        .env("API_URL", &stack.api_url)
-        .env("DATABASE_URL", &stack.db.url)
-        .env("BIG_THREAD_ID", big.to_string())
-        .env("OUT_DIR", &out_dir)
-        .env("CHROMIUM", CHROMIUM)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawning node");
-    let output = tokio::time::timeout(Duration::from_secs(240), child.wait_with_output())
-        .await
-        .expect("browser tests did not finish within 240 s")
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let _ = std::fs::write(out_dir.join("run.log"), format!("{stdout}\n--- stderr ---\n{stderr}"));
-    println!("{stdout}");
-    if !stderr.trim().is_empty() {
-        println!("--- stderr ---\n{stderr}");
+    // run.mjs, then the specs of later features (same stack), each with its own log.
+    for (script, log) in [("run.mjs", "run.log"), ("branches.spec.mjs", "branches-run.log")] {
+        let started = Instant::now();
+        let child = tokio::process::Command::new("node")
+            .arg(script)
+            .current_dir(&dir)
+            .env("API_URL", &stack.api_url)
+            .env("DATABASE_URL", &stack.db.url)
+            .env("BIG_THREAD_ID", big.to_string())
+            .env("OUT_DIR", &out_dir)
+            .env("CHROMIUM", CHROMIUM)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawning node");
+        let output = tokio::time::timeout(Duration::from_secs(240), child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("browser tests ({script}) did not finish within 240 s"))
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let _ = std::fs::write(out_dir.join(log), format!("{stdout}\n--- stderr ---\n{stderr}"));
+        println!("{stdout}");
+        if !stderr.trim().is_empty() {
+            println!("--- stderr ---\n{stderr}");
+        }
+        println!("browser tests ({script}) took {:?}", started.elapsed());
+        assert!(output.status.success(), "browser tests ({script}) failed ({}); see test-output/browser/{log}:\n{stdout}\n{stderr}", output.status);
     }
-    println!("browser tests took {:?}", started.elapsed());
-    assert!(output.status.success(), "browser tests failed ({}); see test-output/browser/run.log:\n{stdout}\n{stderr}", output.status);
 }
