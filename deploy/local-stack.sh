@@ -10,14 +10,15 @@
 #   Options: --no-build (use the binaries in target/debug as they are), --workers N (default 2)
 #
 # What it starts: PostgreSQL if none is reachable (deploy/lib/postgres.sh: the machine's server
-# on 127.0.0.1:5432 with trust auth, else a throwaway cluster in .stack/pg), database `agentloop`,
+# on 127.0.0.1:5432 with trust auth, else a throwaway cluster in .stack/pg), database
+# `agentloop_<checksum of this checkout's path>` (AGENTLOOP_DB_NAME overrides),
 # migrations, an API key for principal `local`, a model endpoint (MODEL_BASE_URL if set, else the
 # test mock `mock-model`), one `agentloop-api run` and N `agentloop-worker run` (local-1..N).
 # Logs: .stack/logs/*.log. State: .stack/run/.
 #
 # Environment (all optional):
 #   API_LISTEN            default 127.0.0.1:8080
-#   DATABASE_URL          use this database instead of creating `agentloop`
+#   DATABASE_URL          use this database instead of creating the checkout's own
 #   PG_ADMIN_URL          server to create `agentloop` on (see deploy/lib/postgres.sh)
 #   AGENTLOOP_FORCE_THROWAWAY_PG=1   ignore the server on 5432; use a throwaway cluster
 #   MODEL_BASE_URL, MODEL_NAME, MODEL_API_KEY, MODEL_CONTEXT_TOKENS   a real endpoint
@@ -316,7 +317,8 @@ cmd_up() {
     fi
     on_exit on_stack_exit
     if [[ -z ${DATABASE_URL:-} ]]; then
-        ensure_database agentloop
+        # One database per checkout, so two checkouts on one machine never share a run queue.
+        ensure_database "${AGENTLOOP_DB_NAME:-agentloop_$(printf '%s' "$AGENTLOOP_ROOT" | cksum | cut -d' ' -f1)}"
     fi
     export DATABASE_URL
 

@@ -79,7 +79,7 @@ pub async fn append(
     )
     .bind::<SqlUuid, _>(thread_id)
     .bind::<Text, _>(kind)
-    .bind::<Jsonb, _>(payload)
+    .bind::<Jsonb, _>(crate::text::clean_json(payload).as_ref())
     .bind::<Text, _>(THREADS_CHANNEL)
     .get_result(conn)
     .await?;

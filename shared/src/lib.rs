@@ -18,6 +18,7 @@ pub mod runs;
 pub mod scheduler;
 pub mod snapshots;
 pub mod telemetry;
+pub mod text;
 pub mod threads;
 pub mod tokens;
 pub mod tools;

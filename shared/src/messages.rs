@@ -175,6 +175,19 @@ pub async fn append(
         .await?;
     let first_sequence = last_sequence - k + 1;
     let first_ts = last_ts - k + 1;
+    // NUL-free copies (PostgreSQL text/jsonb cannot store U+0000), see `crate::text`.
+    let cleaned: Vec<NewMessage> = new
+        .iter()
+        .map(|m| NewMessage {
+            role: m.role.clone(),
+            content: crate::text::clean_json(&m.content).into_owned(),
+            tool_calls: m.tool_calls.as_ref().map(|t| crate::text::clean_json(t).into_owned()),
+            tool_call_id: m.tool_call_id.as_deref().map(|t| crate::text::clean(t).into_owned()),
+            reasoning: m.reasoning.as_deref().map(|r| crate::text::clean(r).into_owned()),
+            token_estimate: m.token_estimate,
+        })
+        .collect();
+    let new = &cleaned[..];
     let rows: Vec<MessageRow> = fresh
         .iter()
         .enumerate()

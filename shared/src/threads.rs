@@ -47,9 +47,13 @@ pub async fn create(conn: &mut AsyncPgConnection, owner: Uuid, new: NewThread) -
         .values((
             threads::id.eq(Uuid::new_v4()),
             threads::owner_id.eq(owner),
-            threads::title.eq(new.title),
+            threads::title.eq(crate::text::clean(&new.title).as_ref()),
             threads::model.eq(new.model),
-            threads::metadata.eq(if new.metadata.is_null() { serde_json::json!({}) } else { new.metadata }),
+            threads::metadata.eq(if new.metadata.is_null() {
+                serde_json::json!({})
+            } else {
+                crate::text::clean_json(&new.metadata).into_owned()
+            }),
         ))
         .returning(Thread::as_returning())
         .get_result(conn)
@@ -121,7 +125,7 @@ pub async fn set_streaming(
     streaming: Option<&serde_json::Value>,
 ) -> QueryResult<()> {
     diesel::update(threads::table.find(thread_id))
-        .set(threads::streaming_message.eq(streaming))
+        .set(threads::streaming_message.eq(streaming.map(|s| crate::text::clean_json(s).into_owned())))
         .execute(conn)
         .await?;
     Ok(())
@@ -156,9 +160,9 @@ pub async fn update(
     let current = get(conn, thread_id).await?;
     diesel::update(threads::table.find(thread_id))
         .set((
-            threads::title.eq(title.unwrap_or(current.title)),
+            threads::title.eq(title.map_or(current.title, |t| crate::text::clean(&t).into_owned())),
             threads::model.eq(model.or(current.model)),
-            threads::metadata.eq(metadata.unwrap_or(current.metadata)),
+            threads::metadata.eq(metadata.map_or(current.metadata, |m| crate::text::clean_json(&m).into_owned())),
             threads::updated_at.eq(diesel::dsl::now),
         ))
         .returning(Thread::as_returning())

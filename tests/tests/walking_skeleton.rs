@@ -409,3 +409,24 @@ async fn stateless_chat_completions_run_through_the_durable_loop() {
     let r = c.post("/v1/chat/completions", json!({"messages": [{"role": "wizard", "content": "x"}]})).await.unwrap();
     assert_eq!(r.status, 400);
 }
+
+#[tokio::test]
+async fn nul_characters_from_models_tools_and_clients_never_break_a_write() {
+    let stack = Stack::start("nul", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let r = c.post("/api/threads", json!({"title": "a\u{0}b", "metadata": {"note": "x\u{0}"}})).await.unwrap();
+    assert_eq!(r.status, 201, "{r:?}");
+    assert_eq!(r.body["title"], "a\u{FFFD}b");
+    let thread = r.body["id"].as_str().unwrap().to_owned();
+    let steps = json!([
+        {"toolCalls": [{"name": "calculator", "argumentsRaw": "{\"expression\":\"1+1\u{0}\"}"}], "reasoning": "think\u{0}ing"},
+        {"text": "before\u{0}after"}
+    ]);
+    let posted = c.chat(&thread, &format!("{}\u{0}", script(steps))).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(run["attempts"], 1, "no retry loop");
+    let msgs = messages(&stack, &thread).await;
+    assert_eq!(msgs.last().unwrap()["content"], "before\u{FFFD}after");
+    assert!(msgs[1]["reasoning"].as_str().unwrap().contains('\u{FFFD}'));
+}

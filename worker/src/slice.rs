@@ -156,8 +156,12 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl) {
                 Some(SliceEnd::Failed { code, message })
             }
             Err(SliceError::Db(error)) => {
-                tracing::error!(%error, "database error in slice; handing the run back");
-                Some(SliceEnd::Interrupted)
+                // A statement that fails while the database still accepts the fenced end-of-slice
+                // write would fail again on every retry: end the run with an error instead of
+                // requeueing it into a hot loop. If the database is unreachable, this write fails
+                // too and the lease-expiry recovery (bounded by WORKER_MAX_RECOVERIES) takes over.
+                tracing::error!(%error, "database error in slice; failing the run");
+                Some(SliceEnd::Failed { code: "internal_error".into(), message: "a database error interrupted the run".into() })
             }
         };
         let label = match (&end, control.reason()) {
