@@ -20,16 +20,21 @@ impl FromRequest for Authenticated {
 
     fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
         let state = req.app_data::<web::Data<AppState>>().cloned();
-        let bearer = req
-            .headers()
-            .get(actix_web::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-            .map(|k| k.trim().to_owned());
+        // A present Authorization header must be a well-formed bearer key: only its absence
+        // may fall back to the loopback principal.
+        let header = req.headers().get(actix_web::http::header::AUTHORIZATION);
+        let bearer = header.map(|h| {
+            h.to_str()
+                .ok()
+                .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+                .map(|k| k.trim().to_owned())
+                .unwrap_or_default()
+        });
         let loopback = req.peer_addr().is_some_and(|a| a.ip().is_loopback());
         Box::pin(async move {
             let state = state.ok_or_else(|| ApiError::Internal(anyhow::anyhow!("missing app state")))?;
             match bearer {
+                Some(key) if key.is_empty() => Err(ApiError::Unauthorized),
                 Some(key) => {
                     let mut conn = state.pool.get().await?;
                     auth::principal_for_key(&mut conn, &key).await?.map(Authenticated).ok_or(ApiError::Unauthorized)

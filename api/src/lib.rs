@@ -6,6 +6,7 @@ pub mod error;
 pub mod extract;
 pub mod hub;
 pub mod routes;
+pub mod validate;
 pub mod views;
 
 use std::net::TcpListener;

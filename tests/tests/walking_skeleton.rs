@@ -315,6 +315,24 @@ async fn auth_scoping_and_bad_input() {
     assert_eq!(r.body["error"]["code"], "invalid_content");
     let r = c.get("/api/threads/not-a-uuid").await.unwrap();
     assert_eq!(r.status, 404);
+    for bad in [json!([{"type": "bogus"}]), json!([{"type": "text"}]), json!([{"type": "image_url", "image_url": {"url": "javascript:x"}}])] {
+        let r = c.post(&format!("/api/threads/{thread}/chat"), json!({"content": bad})).await.unwrap();
+        assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_content")), "{r:?}");
+    }
+    let r = c.post("/api/threads", json!({"metadata": {"multitask": "bogus"}})).await.unwrap();
+    assert_eq!(r.body["error"]["code"], "invalid_metadata");
+    let r = c
+        .send(reqwest::Method::PATCH, &format!("/api/threads/{thread}"), Some(json!({"metadata": {"compactThreshold": -5}})), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.body["error"]["code"], "invalid_metadata");
+    let r = c
+        .send(reqwest::Method::POST, &format!("/api/threads/{thread}/chat"), Some(json!({"content": "x", "commandId": "a"})), &[("Idempotency-Key", "b")])
+        .await
+        .unwrap();
+    assert_eq!(r.body["error"]["code"], "idempotency_key_mismatch");
+    let r = c.get("/nope").await.unwrap();
+    assert_eq!((r.status, r.body["error"]["code"].as_str()), (404, Some("not_found")));
     // Nothing was half-written by the bad requests.
     assert_eq!(messages(&stack, &thread).await.len(), 0);
 }

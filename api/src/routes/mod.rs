@@ -53,7 +53,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
                     web::post().to(operations::resolve_operation::resolve_operation),
                 )
                 .default_service(web::to(not_found)),
-        );
+        )
+        .default_service(web::to(not_found));
 }
 
 async fn not_found() -> Result<actix_web::HttpResponse, crate::error::ApiError> {

@@ -56,24 +56,6 @@ fn parse_multitask(value: &str) -> Result<Multitask, ApiError> {
     }
 }
 
-fn validate_content(content: &Value) -> Result<(), ApiError> {
-    let ok = match content {
-        Value::String(s) => !s.trim().is_empty(),
-        Value::Array(parts) => {
-            !parts.is_empty() && parts.iter().all(|p| p.get("type").and_then(Value::as_str).is_some())
-        }
-        _ => false,
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::bad_request(
-            "invalid_content",
-            "content must be a non-empty string or a non-empty array of content parts with a type",
-        ))
-    }
-}
-
 /// Persists the user turn and enqueues a run in ONE transaction (message, run, journal events,
 /// `pg_notify`), then answers 202 `{run, message}` at once. For a `pending` run (behind the
 /// thread's active run) `message` is null and the turn is kept as `run.input` until the run is
@@ -92,7 +74,7 @@ pub async fn post_chat(
 ) -> Result<HttpResponse, ApiError> {
     let thread_id = path.into_inner();
     let body = body.into_inner();
-    validate_content(&body.content)?;
+    crate::validate::content(&body.content)?;
     let requested_policy = body.multitask.as_deref().map(parse_multitask).transpose()?;
     let max_steps = body.max_steps.unwrap_or(runs::DEFAULT_MAX_STEPS);
     if !(1..=MAX_STEPS_LIMIT).contains(&max_steps) {
@@ -104,6 +86,14 @@ pub async fn post_chat(
         }
     }
     let header_key = req.headers().get("Idempotency-Key").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    if let (Some(header), Some(body_id)) = (&header_key, &body.command_id) {
+        if header != body_id {
+            return Err(ApiError::bad_request(
+                "idempotency_key_mismatch",
+                "the Idempotency-Key header and commandId differ; send one, or the same value in both",
+            ));
+        }
+    }
     let command_id = header_key.or(body.command_id.clone()).filter(|k| !k.is_empty());
     if command_id.as_ref().is_some_and(|k| k.len() > 200) {
         return Err(ApiError::bad_request("invalid_idempotency_key", "idempotency keys are limited to 200 characters"));

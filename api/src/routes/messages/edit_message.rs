@@ -37,10 +37,8 @@ pub async fn edit_message(
 ) -> Result<HttpResponse, ApiError> {
     let (thread_id, sequence) = path.into_inner();
     let body = body.into_inner();
+    crate::validate::content(&body.content)?;
     let text = messages::content_text(&body.content);
-    if text.trim().is_empty() {
-        return Err(ApiError::bad_request("invalid_content", "content must be non-empty"));
-    }
     let options = RunOptions { max_steps: body.max_steps, model: body.model };
     let principal = who.0.id;
     let mut conn = state.pool.get().await?;

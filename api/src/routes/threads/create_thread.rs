@@ -38,9 +38,7 @@ pub async fn create_thread(
         }
     }
     let metadata = body.metadata.unwrap_or_else(|| serde_json::json!({}));
-    if !metadata.is_object() {
-        return Err(ApiError::bad_request("invalid_metadata", "metadata must be a JSON object"));
-    }
+    crate::validate::metadata(&metadata)?;
     let mut conn = state.pool.get().await?;
     let owner = who.0.id;
     let thread = (*conn)

@@ -18,7 +18,11 @@ pub async fn get_thread(
 ) -> Result<HttpResponse, ApiError> {
     let mut conn = state.pool.get().await?;
     let thread = threads::get_owned(&mut conn, path.into_inner(), who.0.id).await?.ok_or(ApiError::NotFound)?;
-    let run = runs::latest_for_thread(&mut conn, thread.id).await?;
+    // The active run if there is one (a pending run behind it is not what runs now), else the latest.
+    let run = match runs::active_for_thread(&mut conn, thread.id).await? {
+        Some(run) => Some(run),
+        None => runs::latest_for_thread(&mut conn, thread.id).await?,
+    };
     let mut body = views::window(&mut conn, &thread).await?;
     body["thread"] = views::thread_json(&thread);
     body["messageCount"] = thread.message_count.into();

@@ -39,8 +39,8 @@ pub async fn update_thread(
             return Err(ApiError::bad_request("unknown_model", format!("model '{model}' is not configured")));
         }
     }
-    if body.metadata.as_ref().is_some_and(|m| !m.is_object()) {
-        return Err(ApiError::bad_request("invalid_metadata", "metadata must be a JSON object"));
+    if let Some(metadata) = &body.metadata {
+        crate::validate::metadata(metadata)?;
     }
     let (id, owner) = (path.into_inner(), who.0.id);
     let mut conn = state.pool.get().await?;
