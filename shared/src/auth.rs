@@ -61,17 +61,21 @@ pub async fn create_key(conn: &mut AsyncPgConnection, name: &str) -> QueryResult
     Ok(key)
 }
 
-/// Revokes every key whose clear text starts with `prefix` (the first 10 characters shown at
-/// creation) or equals it. Returns how many keys were revoked.
+/// Revokes keys by the whole clear key, or by a prefix of at least 8 characters of it (the first
+/// 10 characters are stored in clear as `key_prefix`; `al_` + 5 hex = 8). Returns how many keys
+/// were revoked (0 when nothing matched).
 pub async fn revoke_key(conn: &mut AsyncPgConnection, prefix_or_key: &str) -> QueryResult<usize> {
-    let prefix: String = prefix_or_key.chars().take(10).collect();
     let hash = hash_key(prefix_or_key);
-    diesel::update(api_keys::table)
-        .filter(api_keys::revoked_at.is_null())
-        .filter(api_keys::key_prefix.eq(prefix).or(api_keys::key_hash.eq(hash)))
-        .set(api_keys::revoked_at.eq(diesel::dsl::now))
-        .execute(conn)
-        .await
+    let prefix: String = prefix_or_key.chars().take(10).collect();
+    let mut query = diesel::update(api_keys::table).filter(api_keys::revoked_at.is_null()).into_boxed();
+    query = if prefix_or_key.len() > 10 {
+        query.filter(api_keys::key_hash.eq(hash))
+    } else if prefix.len() >= 8 {
+        query.filter(api_keys::key_prefix.like(format!("{}%", prefix.replace('\\', "").replace('%', "\\%").replace('_', "\\_"))))
+    } else {
+        return Ok(0);
+    };
+    query.set(api_keys::revoked_at.eq(diesel::dsl::now)).execute(conn).await
 }
 
 /// Resolves a clear bearer key to its principal; `None` for unknown or revoked keys.
