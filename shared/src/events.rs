@@ -24,6 +24,8 @@ pub const RUNS_CHANNEL: &str = "agentloop_runs";
 pub mod kind {
     /// The thread row changed (title, counts, context tokens).
     pub const THREAD: &str = "thread";
+    /// The thread was deleted; payload `{threadId}`. Clients should close the view.
+    pub const THREAD_DELETED: &str = "thread_deleted";
     /// A canonical message was appended; payload = the message.
     pub const MESSAGE: &str = "message";
     /// Canonical messages were deactivated (branch operations); payload `{sequences}`.

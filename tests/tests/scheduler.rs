@@ -347,6 +347,8 @@ async fn thread_policy_from_metadata_and_delete_cancels_runs() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(c.get("/api/threads").await.unwrap().body["threads"].as_array().unwrap().is_empty());
+    let deleted: i64 = db.query_one("SELECT count(*) FROM thread_events WHERE kind = 'thread_deleted'", &[]).await.unwrap().get(0);
+    assert_eq!(deleted, 1, "open live clients are told through the journal");
 }
 
 #[tokio::test]

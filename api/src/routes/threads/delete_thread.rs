@@ -33,6 +33,9 @@ pub async fn delete_thread(state: web::Data<AppState>, who: Authenticated, path:
                 runs::request_cancel(conn, run).await?;
             }
             threads::soft_delete(conn, id).await?;
+            // Open SSE/long-poll clients learn it from the journal like any other change.
+            agentloop_shared::events::append(conn, id, agentloop_shared::events::kind::THREAD_DELETED, &serde_json::json!({"threadId": id}))
+                .await?;
             Ok(())
         })
         .await?;
