@@ -5,6 +5,7 @@
 pub mod error;
 pub mod extract;
 pub mod hub;
+pub mod openapi;
 pub mod routes;
 pub mod validate;
 pub mod views;

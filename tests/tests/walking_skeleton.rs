@@ -448,3 +448,51 @@ async fn nul_characters_from_models_tools_and_clients_never_break_a_write() {
     assert_eq!(msgs.last().unwrap()["content"], "before\u{FFFD}after");
     assert!(msgs[1]["reasoning"].as_str().unwrap().contains('\u{FFFD}'));
 }
+
+#[tokio::test]
+async fn openapi_document_lists_every_route() {
+    let stack = Stack::start("openapi", StackOptions::default()).await.unwrap();
+    let r = stack.client().get("/openapi.json").await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(r.body["openapi"].as_str().unwrap().starts_with("3."), "{}", r.body["openapi"]);
+    assert_eq!(r.body["components"]["securitySchemes"]["bearer"]["scheme"], "bearer");
+    let routes = [
+        ("get", "/healthz"),
+        ("get", "/readyz"),
+        ("get", "/metrics"),
+        ("get", "/"),
+        ("get", "/openapi.json"),
+        ("post", "/v1/chat/completions"),
+        ("get", "/api/models"),
+        ("post", "/api/threads"),
+        ("get", "/api/threads"),
+        ("get", "/api/threads/{id}"),
+        ("patch", "/api/threads/{id}"),
+        ("delete", "/api/threads/{id}"),
+        ("get", "/api/threads/{id}/messages"),
+        ("post", "/api/threads/{id}/chat"),
+        ("post", "/api/threads/{id}/cancel"),
+        ("post", "/api/threads/{id}/compact"),
+        ("get", "/api/threads/{id}/context"),
+        ("post", "/api/threads/{id}/messages/{sequence}/edit"),
+        ("post", "/api/threads/{id}/messages/{sequence}/regenerate"),
+        ("delete", "/api/threads/{id}/messages/{sequence}"),
+        ("get", "/api/threads/{id}/updates/stream"),
+        ("get", "/api/threads/{id}/updates"),
+        ("get", "/api/runs/{id}"),
+        ("post", "/api/runs/{id}/cancel"),
+        ("get", "/api/threads/{id}/approvals"),
+        ("post", "/api/approvals/{id}/approve"),
+        ("post", "/api/approvals/{id}/reject"),
+        ("get", "/api/runs/{id}/operations"),
+        ("post", "/api/runs/{id}/operations/{key}/resolve"),
+    ];
+    for (method, path) in routes {
+        assert!(r.body["paths"][path][method].is_object(), "missing {method} {path}");
+    }
+    let chat = &r.body["paths"]["/api/threads/{id}/chat"]["post"];
+    assert_eq!(chat["parameters"][0]["name"], "id");
+    assert!(chat["requestBody"]["content"]["application/json"]["schema"]["properties"]["content"].is_object());
+    assert_eq!(chat["responses"]["409"]["content"]["application/json"]["schema"]["$ref"], "#/components/schemas/Error");
+    assert_eq!(chat["security"][0]["bearer"], json!([]));
+}

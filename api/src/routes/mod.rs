@@ -20,6 +20,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/readyz", web::get().to(health::readyz))
         .route("/metrics", web::get().to(health::metrics))
         .route("/", web::get().to(ui::index))
+        .route("/openapi.json", web::get().to(crate::openapi::openapi_json))
         .route("/v1/chat/completions", web::post().to(openai::chat_completions::chat_completions))
         .service(
             web::scope("/api")
