@@ -17,15 +17,13 @@
 import { mkdirSync } from 'node:fs';
 import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { chromium } from 'playwright-core';
+import { runTests } from './harness.mjs';
 
 const HERE = dirname(fileURLToPath(import.meta.url));
 const API = (process.env.API_URL || '').replace(/\/$/, '');
 const OUT = resolve(process.env.OUT_DIR || join(HERE, '..', '..', 'test-output', 'browser'));
 const BIG = process.env.BIG_THREAD_ID || '';
 const EXE = process.env.CHROMIUM || '/usr/bin/chromium';
-const ARGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking',
-  '--disable-component-update', '--disable-sync', '--no-first-run'];
 
 if (!API) {
   console.error('API_URL is required');
@@ -213,28 +211,4 @@ test('open a 10,000-message thread quickly and load earlier messages', async bro
   await shot(t.page, '04-big-thread-load-earlier.png');
 });
 
-const browser = await chromium.launch({ executablePath: EXE, args: ARGS, headless: true });
-console.log(`chromium ${browser.version()} · api ${API} · screenshots in ${OUT}`);
-let passed = 0, failed = 0;
-for (const { name, fn } of tests) {
-  if (process.env.ONLY && !name.includes(process.env.ONLY)) continue;
-  const started = Date.now();
-  opened.length = 0;
-  try {
-    await fn(browser);
-    passed += 1;
-    console.log(`ok   ${name} (${Date.now() - started} ms)`);
-  } catch (e) {
-    failed += 1;
-    console.log(`FAIL ${name} (${Date.now() - started} ms)\n  ${e && e.stack ? e.stack : e}`);
-    for (const t of opened) {
-      await t.page.screenshot({ path: join(OUT, `FAILED-${t.name}.png`) }).catch(() => {});
-      console.log(t.log.map(l => `  console(${t.name}) ${l}`).join('\n'));
-    }
-  } finally {
-    for (const t of opened) await t.context.close().catch(() => {});
-  }
-}
-await browser.close();
-console.log(`browser: ${passed} passed, ${failed} failed`);
-process.exit(failed ? 1 : 0);
+await runTests({ label: 'browser', tests, opened, api: API, out: OUT, exe: EXE });
