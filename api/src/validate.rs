@@ -66,3 +66,31 @@ pub fn metadata(metadata: &Value) -> Result<(), ApiError> {
     }
     Ok(())
 }
+
+/// Longest thread title, in characters.
+const MAX_TITLE_CHARS: usize = 500;
+
+/// A requested model id must be in the catalog. Error: 400 `unknown_model`.
+pub fn model(catalog: &agentloop_shared::provider::catalog::ModelCatalog, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if catalog.get(m).is_none() => {
+            Err(ApiError::bad_request("unknown_model", format!("model '{m}' is not configured")))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The optional fields of a thread create/update: `title` at most 500 characters, a configured
+/// `model`, valid `metadata`. Errors: 400 `invalid_title`, `unknown_model`, `invalid_metadata`.
+pub fn thread_fields(
+    catalog: &agentloop_shared::provider::catalog::ModelCatalog,
+    title: Option<&str>,
+    model_id: Option<&str>,
+    metadata_value: Option<&Value>,
+) -> Result<(), ApiError> {
+    if title.is_some_and(|t| t.chars().count() > MAX_TITLE_CHARS) {
+        return Err(ApiError::bad_request("invalid_title", format!("title is limited to {MAX_TITLE_CHARS} characters")));
+    }
+    model(catalog, model_id)?;
+    metadata_value.map_or(Ok(()), metadata)
+}

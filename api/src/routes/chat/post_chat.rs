@@ -80,11 +80,7 @@ pub async fn post_chat(
     if !(1..=MAX_STEPS_LIMIT).contains(&max_steps) {
         return Err(ApiError::bad_request("invalid_max_steps", format!("maxSteps must be within 1..={MAX_STEPS_LIMIT}")));
     }
-    if let Some(model) = &body.model {
-        if state.catalog.get(model).is_none() {
-            return Err(ApiError::bad_request("unknown_model", format!("model '{model}' is not configured")));
-        }
-    }
+    crate::validate::model(&state.catalog, body.model.as_deref())?;
     let header_key = req.headers().get("Idempotency-Key").and_then(|v| v.to_str().ok()).map(str::to_owned);
     if let (Some(header), Some(body_id)) = (&header_key, &body.command_id) {
         if header != body_id {

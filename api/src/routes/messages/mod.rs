@@ -56,9 +56,7 @@ pub(crate) async fn enqueue(
         .or_else(|| thread.model.clone())
         .or_else(|| state.catalog.default_model().map(|m| m.id.clone()))
         .ok_or_else(|| ApiError::bad_request("no_model", "no model is configured on this server"))?;
-    if state.catalog.get(&model).is_none() {
-        return Err(ApiError::bad_request("unknown_model", format!("model '{model}' is not configured")));
-    }
+    crate::validate::model(&state.catalog, Some(&model))?;
     Ok(runs::insert(
         conn,
         NewRun {

@@ -28,17 +28,9 @@ pub async fn create_thread(
     body: web::Json<CreateThread>,
 ) -> Result<HttpResponse, ApiError> {
     let body = body.into_inner();
-    let title = body.title.unwrap_or_default();
-    if title.chars().count() > 500 {
-        return Err(ApiError::bad_request("invalid_title", "title is limited to 500 characters"));
-    }
-    if let Some(model) = &body.model {
-        if state.catalog.get(model).is_none() {
-            return Err(ApiError::bad_request("unknown_model", format!("model '{model}' is not configured")));
-        }
-    }
     let metadata = body.metadata.unwrap_or_else(|| serde_json::json!({}));
-    crate::validate::metadata(&metadata)?;
+    crate::validate::thread_fields(&state.catalog, body.title.as_deref(), body.model.as_deref(), Some(&metadata))?;
+    let title = body.title.unwrap_or_default();
     let mut conn = state.pool.get().await?;
     let owner = who.0.id;
     let thread = (*conn)

@@ -31,17 +31,7 @@ pub async fn update_thread(
     body: web::Json<UpdateThread>,
 ) -> Result<HttpResponse, ApiError> {
     let body = body.into_inner();
-    if body.title.as_ref().is_some_and(|t| t.chars().count() > 500) {
-        return Err(ApiError::bad_request("invalid_title", "title is limited to 500 characters"));
-    }
-    if let Some(model) = &body.model {
-        if state.catalog.get(model).is_none() {
-            return Err(ApiError::bad_request("unknown_model", format!("model '{model}' is not configured")));
-        }
-    }
-    if let Some(metadata) = &body.metadata {
-        crate::validate::metadata(metadata)?;
-    }
+    crate::validate::thread_fields(&state.catalog, body.title.as_deref(), body.model.as_deref(), body.metadata.as_ref())?;
     let (id, owner) = (path.into_inner(), who.0.id);
     let mut conn = state.pool.get().await?;
     let thread = (*conn)
