@@ -1,3 +1,36 @@
+//! Re-runs the embedding of `migrations/` when it changes, and generates the table of
+//! migrations that run outside a transaction (`metadata.toml` with `run_in_transaction = false`):
+//! `agentloop_shared::db` runs those statement group by statement group (see
+//! `migrations/README.md`), which diesel's own harness cannot do.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
 fn main() {
     println!("cargo:rerun-if-changed=../migrations");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations");
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect())
+        .unwrap_or_default();
+    dirs.sort();
+    let mut table = String::from("&[\n");
+    for dir in dirs {
+        println!("cargo:rerun-if-changed={}", dir.display());
+        let metadata = std::fs::read_to_string(dir.join("metadata.toml")).unwrap_or_default();
+        let outside = metadata
+            .lines()
+            .map(|l| l.split('#').next().unwrap_or("").replace(' ', ""))
+            .any(|l| l == "run_in_transaction=false");
+        if !outside {
+            continue;
+        }
+        let name = dir.file_name().and_then(|n| n.to_str()).expect("utf-8 migration name").to_owned();
+        let up = dir.join("up.sql").canonicalize().expect("up.sql of a migration");
+        let down = dir.join("down.sql").canonicalize().expect("down.sql of a migration");
+        writeln!(table, "    ({name:?}, include_str!({:?}), include_str!({:?})),", up.display().to_string(), down.display().to_string())
+            .expect("write");
+    }
+    table.push(']');
+    let out = Path::new(&std::env::var("OUT_DIR").expect("OUT_DIR")).join("outside_transaction.rs");
+    std::fs::write(out, table).expect("write outside_transaction.rs");
 }

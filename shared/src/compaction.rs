@@ -89,7 +89,7 @@ pub struct Split {
 pub fn split(context: &[ContextMessage], recent: usize) -> Split {
     let instructions_end = context
         .iter()
-        .position(|c| !(matches!(c.message.role.as_str(), role::SYSTEM | role::DEVELOPER) && !is_summary(&c.message)))
+        .position(|c| !matches!(c.message.role.as_str(), role::SYSTEM | role::DEVELOPER) || is_summary(&c.message))
         .unwrap_or(context.len());
     let mut tail_start = context.len().saturating_sub(recent).max(instructions_end);
     while tail_start > instructions_end && tail_start < context.len() && context[tail_start].message.role == role::TOOL {
@@ -375,7 +375,7 @@ mod tests {
 
     #[tokio::test]
     async fn compaction_folds_earlier_summaries_and_refuses_growth() {
-        let mut ctx = vec![msg(role::SYSTEM, "rules", 1), crate::context::summary_message("old summary")];
+        let mut ctx = vec![msg(role::SYSTEM, "rules", 1), crate::context::summary_message("old summary", 3)];
         for i in 0..30 {
             ctx.push(msg(if i % 2 == 0 { role::USER } else { role::ASSISTANT }, &"word ".repeat(200), 10 + i));
         }

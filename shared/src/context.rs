@@ -8,6 +8,7 @@
 use serde_json::Value;
 
 use crate::messages::{Message, NewMessage, role};
+use crate::scheduler::step::{LoadedContext, SnapshotRef};
 
 /// One message of the working context. `identity` is the canonical timestamp identity once the
 /// message is persisted (`None` until its checkpoint commits).
@@ -28,6 +29,7 @@ impl From<&Message> for ContextMessage {
                 tool_call_id: m.tool_call_id.clone(),
                 reasoning: m.reasoning.clone(),
                 token_estimate: m.token_estimate,
+                stopped: m.stopped,
             },
         }
     }
@@ -36,9 +38,12 @@ impl From<&Message> for ContextMessage {
 /// Builds the summary message of a snapshot: a `system` message whose text starts with the
 /// internal [`SUMMARY_MARKER`](crate::provider::projection::SUMMARY_MARKER) (stripped from every
 /// provider payload), so a later compaction folds it instead of keeping it as an instruction.
-pub fn summary_message(summary: &str) -> ContextMessage {
+/// `tokens` is the summary's estimate (the same the database counts for the context).
+pub fn summary_message(summary: &str, tokens: i32) -> ContextMessage {
     let text = format!("{}\nSummary of the earlier conversation:\n{summary}", crate::provider::projection::SUMMARY_MARKER);
-    ContextMessage { identity: None, message: NewMessage::text(role::SYSTEM, text) }
+    let mut message = NewMessage::text(role::SYSTEM, text);
+    message.token_estimate = tokens.max(1);
+    ContextMessage { identity: None, message }
 }
 
 /// Whether a context message is a compaction summary (carries the internal marker).
@@ -47,32 +52,37 @@ pub fn is_summary(message: &NewMessage) -> bool {
         && crate::messages::content_text(&message.content).starts_with(crate::provider::projection::SUMMARY_MARKER)
 }
 
-/// The model context of a thread (SPEC §6 step 2): with a live snapshot, the system/developer
-/// rows before its coverage, its summary, then the active rows after `to_sequence`; without one,
-/// every active row. Returns the snapshot used.
-pub async fn load(
-    conn: &mut diesel_async::AsyncPgConnection,
-    thread_id: uuid::Uuid,
-) -> diesel::QueryResult<(Vec<ContextMessage>, Option<crate::snapshots::Snapshot>)> {
-    let snapshot = crate::snapshots::latest_live(conn, thread_id).await?;
-    let Some(snap) = snapshot else {
-        let rows = crate::messages::active_after(conn, thread_id, 0).await?;
-        return Ok((rows.iter().map(ContextMessage::from).collect(), None));
-    };
-    let instructions = crate::messages::instructions_before(conn, thread_id, snap.from_sequence).await?;
-    let tail = crate::messages::active_after(conn, thread_id, snap.to_sequence).await?;
-    let mut context: Vec<ContextMessage> = instructions.iter().map(ContextMessage::from).collect();
-    context.push(summary_message(&snap.summary));
-    context.extend(tail.iter().map(ContextMessage::from));
-    Ok((context, Some(snap)))
+/// The working context of a loaded thread context (SPEC §6 step 2): with a live snapshot, the
+/// instructions before its coverage, its summary, then the rows after it; without one, every
+/// active row. Returns the snapshot used.
+pub fn from_loaded(loaded: &LoadedContext) -> (Vec<ContextMessage>, Option<SnapshotRef>) {
+    let mut context: Vec<ContextMessage> = loaded.instructions.iter().map(ContextMessage::from).collect();
+    if let Some(snapshot) = &loaded.snapshot {
+        context.push(summary_message(&snapshot.summary, snapshot.token_estimate));
+    }
+    context.extend(loaded.messages.iter().map(ContextMessage::from));
+    (context, loaded.snapshot.clone())
 }
 
-/// Approximate tokens of the context (the sum of per-message estimates, SPEC §6 step 2) plus the
-/// tool schemas sent with it.
-pub fn estimate_tokens(context: &[ContextMessage], tools: &[Value]) -> i64 {
-    let messages: i64 = context.iter().map(|c| i64::from(c.message.token_estimate.max(1))).sum();
-    let schemas: i64 = tools.iter().map(|t| crate::tokens::estimate_text(&t.to_string()) as i64).sum();
-    messages + schemas
+/// Reads thread `thread_id`'s context and metadata (`agentloop_read_context`).
+pub async fn read(store: &crate::store::Store, thread_id: uuid::Uuid) -> Result<(LoadedContext, Value), crate::store::StoreError> {
+    let value = store
+        .call("agentloop_read_context", &serde_json::json!({"threadId": thread_id}), crate::store::Replay::Safe, None)
+        .await?;
+    let metadata = value.get("metadata").cloned().unwrap_or(Value::Null);
+    let loaded = serde_json::from_value(value)
+        .map_err(|e| crate::store::StoreError::Deterministic { sqlstate: "XX000".into(), message: e.to_string() })?;
+    Ok((loaded, metadata))
+}
+
+/// Approximate tokens of the context's messages (the sum of their estimates, at least 1 each).
+pub fn messages_tokens(context: &[ContextMessage]) -> i64 {
+    context.iter().map(|c| i64::from(c.message.token_estimate.max(1))).sum()
+}
+
+/// Approximate tokens of tool schemas (tokenized: compute once per set of tools, not per call).
+pub fn schema_tokens(tools: &[Value]) -> i64 {
+    tools.iter().map(|t| crate::tokens::estimate_text(&t.to_string()) as i64).sum()
 }
 
 #[cfg(test)]

@@ -3,13 +3,15 @@
 //! both the `agentloop-api` and `agentloop-worker` binaries.
 
 pub mod approvals;
+pub mod commands;
 pub mod auth;
-pub mod branches;
 pub mod compaction;
 pub mod config;
 pub mod context;
 pub mod db;
 pub mod events;
+pub mod generation;
+pub mod import;
 pub mod messages;
 pub mod operations;
 pub mod provider;
@@ -17,8 +19,11 @@ pub mod receipts;
 pub mod runs;
 pub mod scheduler;
 pub mod snapshots;
+pub mod store;
+pub mod streaming;
 pub mod telemetry;
 pub mod text;
 pub mod threads;
 pub mod tokens;
 pub mod tools;
+pub mod webhooks;

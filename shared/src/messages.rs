@@ -3,16 +3,17 @@
 //!
 //! Rows are never updated except `active`. Each row has a gap-free per-thread `sequence` (the
 //! stable cursor) and a per-thread monotonic `timestamp_ms` identity
-//! (`max(now_ms, last + 1)`), both allocated under the thread row lock by [`append`].
+//! (`max(now_ms, last + 1)`), both allocated under the thread row lock by the step functions'
+//! `agentloop_append` (`migrations/2026-12-01-000005_durable_core`). This module holds the row
+//! types and the reads.
 
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::db::schema::{messages, threads};
-use crate::events;
+use crate::db::schema::messages;
 
 /// Message roles of the OpenAI Chat Completions model.
 pub mod role {
@@ -23,8 +24,9 @@ pub mod role {
     pub const TOOL: &str = "tool";
 }
 
-/// One canonical message row.
-#[derive(Debug, Clone, Queryable, Selectable, Serialize, PartialEq)]
+/// One canonical message row. Its JSON is the one `agentloop_message_json` builds in the
+/// database (step results decode back into this type).
+#[derive(Debug, Clone, Queryable, Selectable, Serialize, Deserialize, PartialEq)]
 #[diesel(table_name = messages)]
 #[serde(rename_all = "camelCase")]
 pub struct Message {
@@ -52,6 +54,9 @@ pub struct Message {
     pub byte_size: i32,
     pub active: bool,
     pub created_at: DateTime<Utc>,
+    /// Committed from the partial answer of a cancelled stream (SPEC §4).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stopped: bool,
 }
 
 impl Message {
@@ -75,8 +80,8 @@ pub fn content_text(content: &serde_json::Value) -> String {
     }
 }
 
-/// A message to append. `identity` is the timestamp identity it already received in an
-/// earlier successful [`append`] (a re-delivery), or `None` for a new message.
+/// A message to append (serialised as the step functions expect:
+/// `{role, content, toolCalls?, toolCallId?, reasoning?, tokenEstimate, byteSize, stopped?}`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewMessage {
     pub role: String,
@@ -85,6 +90,42 @@ pub struct NewMessage {
     pub tool_call_id: Option<String>,
     pub reasoning: Option<String>,
     pub token_estimate: i32,
+    /// The partial answer of a cancelled stream (SPEC §4).
+    pub stopped: bool,
+}
+
+impl NewMessage {
+    /// Stored size in bytes (content, tool calls and reasoning as JSON text): what paging and
+    /// windows bound by.
+    pub fn byte_size(&self) -> usize {
+        self.content.to_string().len()
+            + self.tool_calls.as_ref().map_or(0, |t| t.to_string().len())
+            + self.reasoning.as_ref().map_or(0, String::len)
+    }
+}
+
+impl Serialize for NewMessage {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("role", &self.role)?;
+        map.serialize_entry("content", &self.content)?;
+        if let Some(calls) = &self.tool_calls {
+            map.serialize_entry("toolCalls", calls)?;
+        }
+        if let Some(id) = &self.tool_call_id {
+            map.serialize_entry("toolCallId", id)?;
+        }
+        if let Some(reasoning) = &self.reasoning {
+            map.serialize_entry("reasoning", reasoning)?;
+        }
+        map.serialize_entry("tokenEstimate", &self.token_estimate)?;
+        map.serialize_entry("byteSize", &self.byte_size())?;
+        if self.stopped {
+            map.serialize_entry("stopped", &true)?;
+        }
+        map.end()
+    }
 }
 
 impl NewMessage {
@@ -99,129 +140,9 @@ impl NewMessage {
             tool_call_id: None,
             reasoning: None,
             token_estimate,
+            stopped: false,
         }
     }
-}
-
-/// Provenance stamped on appended rows.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Provenance {
-    pub run_id: Option<Uuid>,
-    pub step_id: Option<i64>,
-}
-
-#[derive(Insertable)]
-#[diesel(table_name = messages)]
-struct MessageRow<'a> {
-    thread_id: Uuid,
-    sequence: i64,
-    timestamp_ms: i64,
-    role: &'a str,
-    content: &'a serde_json::Value,
-    tool_calls: Option<&'a serde_json::Value>,
-    tool_call_id: Option<&'a str>,
-    reasoning: Option<&'a str>,
-    run_id: Option<Uuid>,
-    step_id: Option<i64>,
-    token_estimate: i32,
-    byte_size: i32,
-}
-
-/// Appends `new` to `thread_id`'s active history, in order, allocating gap-free sequences and
-/// monotonic timestamp identities under the thread row lock, and journals one `message` event
-/// per row. Must run inside the caller's transaction (with the run's fence, for a worker).
-///
-/// `known_identities[i]`, when `Some`, is the identity message `i` received in an earlier
-/// committed append: if a row with that identity exists, message `i` is skipped (re-delivery
-/// appends nothing). Returns `(index into new, row)` for each row inserted.
-pub async fn append(
-    conn: &mut AsyncPgConnection,
-    thread_id: Uuid,
-    provenance: Provenance,
-    new: &[NewMessage],
-    known_identities: &[Option<i64>],
-) -> QueryResult<Vec<(usize, Message)>> {
-    let claimed: Vec<i64> = known_identities.iter().flatten().copied().collect();
-    let existing: Vec<i64> = if claimed.is_empty() {
-        Vec::new()
-    } else {
-        messages::table
-            .filter(messages::thread_id.eq(thread_id))
-            .filter(messages::timestamp_ms.eq_any(&claimed))
-            .select(messages::timestamp_ms)
-            .load(conn)
-            .await?
-    };
-    let fresh: Vec<usize> = (0..new.len())
-        .filter(|&i| !matches!(known_identities.get(i), Some(Some(ts)) if existing.contains(ts)))
-        .collect();
-    if fresh.is_empty() {
-        return Ok(Vec::new());
-    }
-    let k = fresh.len() as i64;
-    // One statement allocates k sequences and k timestamps: max(now_ms, last + 1) onwards.
-    let (last_sequence, last_ts): (i64, i64) = diesel::update(threads::table.find(thread_id))
-        .set((
-            threads::last_sequence.eq(threads::last_sequence + k),
-            threads::message_count.eq(threads::message_count + k as i32),
-            threads::last_timestamp_ms.eq(diesel::dsl::sql::<diesel::sql_types::BigInt>(&format!(
-                "GREATEST(last_timestamp_ms + {k}, (extract(epoch from clock_timestamp()) * 1000)::bigint + {})",
-                k - 1
-            ))),
-            threads::updated_at.eq(diesel::dsl::now),
-        ))
-        .returning((threads::last_sequence, threads::last_timestamp_ms))
-        .get_result(conn)
-        .await?;
-    let first_sequence = last_sequence - k + 1;
-    let first_ts = last_ts - k + 1;
-    // NUL-free copies (PostgreSQL text/jsonb cannot store U+0000), see `crate::text`.
-    let cleaned: Vec<NewMessage> = new
-        .iter()
-        .map(|m| NewMessage {
-            role: m.role.clone(),
-            content: crate::text::clean_json(&m.content).into_owned(),
-            tool_calls: m.tool_calls.as_ref().map(|t| crate::text::clean_json(t).into_owned()),
-            tool_call_id: m.tool_call_id.as_deref().map(|t| crate::text::clean(t).into_owned()),
-            reasoning: m.reasoning.as_deref().map(|r| crate::text::clean(r).into_owned()),
-            token_estimate: m.token_estimate,
-        })
-        .collect();
-    let new = &cleaned[..];
-    let rows: Vec<MessageRow> = fresh
-        .iter()
-        .enumerate()
-        .map(|(j, &i)| {
-            let m = &new[i];
-            let byte_size = m.content.to_string().len()
-                + m.tool_calls.as_ref().map_or(0, |t| t.to_string().len())
-                + m.reasoning.as_ref().map_or(0, |r| r.len());
-            MessageRow {
-                thread_id,
-                sequence: first_sequence + j as i64,
-                timestamp_ms: first_ts + j as i64,
-                role: &m.role,
-                content: &m.content,
-                tool_calls: m.tool_calls.as_ref(),
-                tool_call_id: m.tool_call_id.as_deref(),
-                reasoning: m.reasoning.as_deref(),
-                run_id: provenance.run_id,
-                step_id: provenance.step_id,
-                token_estimate: m.token_estimate,
-                byte_size: byte_size as i32,
-            }
-        })
-        .collect();
-    let inserted: Vec<Message> = diesel::insert_into(messages::table)
-        .values(&rows)
-        .returning(Message::as_returning())
-        .get_results(conn)
-        .await?;
-    for message in &inserted {
-        events::append(conn, thread_id, events::kind::MESSAGE, &serde_json::to_value(message).unwrap_or_default())
-            .await?;
-    }
-    Ok(fresh.into_iter().zip(inserted).collect())
 }
 
 /// Active messages of `thread_id` with `sequence > after`, in sequence order (context building).
@@ -290,55 +211,6 @@ pub async fn preview(conn: &mut AsyncPgConnection, thread_id: Uuid, max_chars: i
     .await
     .optional()?;
     Ok(row.map(|r| serde_json::json!({"role": r.role, "text": r.text, "sequence": r.sequence})))
-}
-
-/// Content of the synthetic result given to a tool call that never got one (SPEC §4
-/// "interrupt", seed 000 "Provider compatibility": every tool call must be answered).
-pub const CANCELLED_TOOL_RESULT: &str = "[cancelled: the run ended before this tool call produced a result]";
-
-/// Appends a synthetic cancelled result for every tool call of `run_id`'s last assistant
-/// tool-call message that has no result yet, so the history stays valid for every provider.
-/// Call in the transaction that ends the run. Returns how many results were appended.
-pub async fn close_dangling_tool_calls(conn: &mut AsyncPgConnection, thread_id: Uuid, run_id: Uuid) -> QueryResult<usize> {
-    let last_call: Option<Message> = messages::table
-        .filter(messages::run_id.eq(run_id))
-        .filter(messages::active)
-        .filter(messages::role.eq(role::ASSISTANT))
-        .filter(messages::tool_calls.is_not_null())
-        .order(messages::sequence.desc())
-        .select(Message::as_select())
-        .first(conn)
-        .await
-        .optional()?;
-    let Some(call) = last_call else { return Ok(0) };
-    let answered: Vec<Option<String>> = messages::table
-        .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active)
-        .filter(messages::sequence.gt(call.sequence))
-        .filter(messages::role.eq(role::TOOL))
-        .select(messages::tool_call_id)
-        .load(conn)
-        .await?;
-    let missing: Vec<NewMessage> = call
-        .tool_calls
-        .as_ref()
-        .and_then(|c| c.as_array())
-        .into_iter()
-        .flatten()
-        .filter_map(|c| c.get("id").and_then(|id| id.as_str()))
-        .filter(|id| !answered.iter().flatten().any(|a| a == id))
-        .map(|id| {
-            let mut m = NewMessage::text(role::TOOL, CANCELLED_TOOL_RESULT);
-            m.tool_call_id = Some(id.to_owned());
-            m
-        })
-        .collect();
-    if missing.is_empty() {
-        return Ok(0);
-    }
-    let identities = vec![None; missing.len()];
-    let provenance = Provenance { run_id: Some(run_id), step_id: call.step_id };
-    Ok(append(conn, thread_id, provenance, &missing, &identities).await?.len())
 }
 
 /// What paging needs to know about an active message without reading its body: the cursor,
@@ -456,36 +328,6 @@ pub async fn instructions_before(conn: &mut AsyncPgConnection, thread_id: Uuid, 
         .select(Message::as_select())
         .load(conn)
         .await
-}
-
-/// The last active assistant tool-call message of `run_id` and the ids of its calls that
-/// already have a result (active `tool` rows after it), or `None` when the run made no call.
-/// A slice starts by answering the rest (approved calls, calls interrupted by a crash), SPEC §6.
-pub async fn last_tool_call_group(
-    conn: &mut AsyncPgConnection,
-    thread_id: Uuid,
-    run_id: Uuid,
-) -> QueryResult<Option<(Message, Vec<String>)>> {
-    let last_call: Option<Message> = messages::table
-        .filter(messages::run_id.eq(run_id))
-        .filter(messages::active)
-        .filter(messages::role.eq(role::ASSISTANT))
-        .filter(messages::tool_calls.is_not_null())
-        .order(messages::sequence.desc())
-        .select(Message::as_select())
-        .first(conn)
-        .await
-        .optional()?;
-    let Some(call) = last_call else { return Ok(None) };
-    let answered: Vec<Option<String>> = messages::table
-        .filter(messages::thread_id.eq(thread_id))
-        .filter(messages::active)
-        .filter(messages::sequence.gt(call.sequence))
-        .filter(messages::role.eq(role::TOOL))
-        .select(messages::tool_call_id)
-        .load(conn)
-        .await?;
-    Ok(Some((call, answered.into_iter().flatten().collect())))
 }
 
 /// One tool call of an assistant message's `tool_calls` (OpenAI shape).

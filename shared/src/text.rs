@@ -14,7 +14,16 @@ pub fn clean(s: &str) -> Cow<'_, str> {
 
 /// `value` with every NUL in its strings and object keys replaced (borrowed when there is none).
 pub fn clean_json(value: &Value) -> Cow<'_, Value> {
-    if !value.to_string().contains("\\u0000") {
+    // Walked in place: serialising a MiB of metadata just to look for NUL doubled its memory.
+    fn has_nul(v: &Value) -> bool {
+        match v {
+            Value::String(s) => s.contains('\0'),
+            Value::Array(a) => a.iter().any(has_nul),
+            Value::Object(o) => o.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+            _ => false,
+        }
+    }
+    if !has_nul(value) {
         return Cow::Borrowed(value);
     }
     fn walk(v: &Value) -> Value {

@@ -7,7 +7,6 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use crate::db::schema::threads;
-use crate::events;
 
 /// A thread row as clients see it (the streaming column is served separately).
 #[derive(Debug, Clone, Queryable, Selectable, Serialize)]
@@ -33,36 +32,6 @@ pub struct Thread {
     pub updated_at: DateTime<Utc>,
 }
 
-/// Fields of a new thread.
-#[derive(Debug, Clone, Default)]
-pub struct NewThread {
-    pub title: String,
-    pub model: Option<String>,
-    pub metadata: serde_json::Value,
-}
-
-/// Inserts a thread owned by `owner` and journals a `thread` event.
-pub async fn create(conn: &mut AsyncPgConnection, owner: Uuid, new: NewThread) -> QueryResult<Thread> {
-    let thread: Thread = diesel::insert_into(threads::table)
-        .values((
-            threads::id.eq(Uuid::new_v4()),
-            threads::owner_id.eq(owner),
-            threads::title.eq(crate::text::clean(&new.title).as_ref()),
-            threads::model.eq(new.model),
-            threads::metadata.eq(if new.metadata.is_null() {
-                serde_json::json!({})
-            } else {
-                crate::text::clean_json(&new.metadata).into_owned()
-            }),
-        ))
-        .returning(Thread::as_returning())
-        .get_result(conn)
-        .await?;
-    events::append(conn, thread.id, events::kind::THREAD, &serde_json::to_value(&thread).unwrap_or_default())
-        .await?;
-    Ok(thread)
-}
-
 /// The thread `id` if it exists, is not deleted and belongs to `owner`. Another principal's
 /// thread is indistinguishable from a missing one (SPEC §11: 404, never 403).
 pub async fn get_owned(conn: &mut AsyncPgConnection, id: Uuid, owner: Uuid) -> QueryResult<Option<Thread>> {
@@ -71,19 +40,6 @@ pub async fn get_owned(conn: &mut AsyncPgConnection, id: Uuid, owner: Uuid) -> Q
         .filter(threads::owner_id.eq(owner))
         .filter(threads::deleted_at.is_null())
         .select(Thread::as_select())
-        .first(conn)
-        .await
-        .optional()
-}
-
-/// Like [`get_owned`] but takes the row lock (`FOR UPDATE`), serialising writers of the thread.
-pub async fn lock_owned(conn: &mut AsyncPgConnection, id: Uuid, owner: Uuid) -> QueryResult<Option<Thread>> {
-    threads::table
-        .filter(threads::id.eq(id))
-        .filter(threads::owner_id.eq(owner))
-        .filter(threads::deleted_at.is_null())
-        .select(Thread::as_select())
-        .for_update()
         .first(conn)
         .await
         .optional()
@@ -117,64 +73,3 @@ pub async fn list(
     query.load(conn).await
 }
 
-/// Writes (or clears, with `None`) the thread's streaming partial message. Partial-column
-/// update: touches only `streaming_message`.
-pub async fn set_streaming(
-    conn: &mut AsyncPgConnection,
-    thread_id: Uuid,
-    streaming: Option<&serde_json::Value>,
-) -> QueryResult<()> {
-    diesel::update(threads::table.find(thread_id))
-        .set(threads::streaming_message.eq(streaming.map(|s| crate::text::clean_json(s).into_owned())))
-        .execute(conn)
-        .await?;
-    Ok(())
-}
-
-/// Records the context size (tokens) measured for the thread's next model call.
-pub async fn set_context_tokens(conn: &mut AsyncPgConnection, thread_id: Uuid, tokens: i32) -> QueryResult<()> {
-    diesel::update(threads::table.find(thread_id))
-        .set(threads::context_tokens.eq(tokens))
-        .execute(conn)
-        .await?;
-    Ok(())
-}
-
-/// Links a thread to the thread it was compacted from.
-pub async fn set_parent(conn: &mut AsyncPgConnection, thread_id: Uuid, parent: Uuid) -> QueryResult<()> {
-    diesel::update(threads::table.find(thread_id))
-        .set(threads::parent_thread_id.eq(parent))
-        .execute(conn)
-        .await?;
-    Ok(())
-}
-
-/// Changes the given fields (others untouched); returns the thread.
-pub async fn update(
-    conn: &mut AsyncPgConnection,
-    thread_id: Uuid,
-    title: Option<String>,
-    model: Option<String>,
-    metadata: Option<serde_json::Value>,
-) -> QueryResult<Thread> {
-    let current = get(conn, thread_id).await?;
-    diesel::update(threads::table.find(thread_id))
-        .set((
-            threads::title.eq(title.map_or(current.title, |t| crate::text::clean(&t).into_owned())),
-            threads::model.eq(model.or(current.model)),
-            threads::metadata.eq(metadata.map_or(current.metadata, |m| crate::text::clean_json(&m).into_owned())),
-            threads::updated_at.eq(diesel::dsl::now),
-        ))
-        .returning(Thread::as_returning())
-        .get_result(conn)
-        .await
-}
-
-/// Marks the thread deleted (every owner-scoped read then treats it as missing).
-pub async fn soft_delete(conn: &mut AsyncPgConnection, thread_id: Uuid) -> QueryResult<()> {
-    diesel::update(threads::table.find(thread_id))
-        .set((threads::deleted_at.eq(diesel::dsl::now), threads::updated_at.eq(diesel::dsl::now)))
-        .execute(conn)
-        .await?;
-    Ok(())
-}

@@ -57,6 +57,7 @@ diesel::table! {
         byte_size -> Int4,
         active -> Bool,
         created_at -> Timestamptz,
+        stopped -> Bool,
     }
 }
 
@@ -92,6 +93,8 @@ diesel::table! {
         input -> Nullable<Jsonb>,
         kind -> Text,
         source_thread_id -> Nullable<Uuid>,
+        faults -> Int4,
+        last_commit -> Nullable<Jsonb>,
     }
 }
 

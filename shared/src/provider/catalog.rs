@@ -291,6 +291,12 @@ pub struct ModelArgs {
     /// Context window of the single model, in tokens.
     #[arg(long, env = "MODEL_CONTEXT_TOKENS")]
     pub model_context_tokens: Option<u32>,
+
+    /// Whether the single model accepts tools (`GET /api/models` `supportsTools`; without it no
+    /// tool is ever offered). `deploy/real-model.sh` sets it from what the llama.cpp server
+    /// reports for its chat template (`GET /props` `chat_template_caps.supports_tools`).
+    #[arg(long, env = "MODEL_SUPPORTS_TOOLS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub model_supports_tools: bool,
 }
 
 impl fmt::Debug for ModelArgs {
@@ -304,6 +310,7 @@ impl fmt::Debug for ModelArgs {
             )
             .field("model_name", &self.model_name)
             .field("model_context_tokens", &self.model_context_tokens)
+            .field("model_supports_tools", &self.model_supports_tools)
             .finish()
     }
 }
@@ -320,7 +327,13 @@ impl ModelArgs {
                 self.model_api_key.as_deref(),
                 &self.model_name,
                 self.model_context_tokens,
-            ),
+            )
+            .map(|mut catalog| {
+                for model in &mut catalog.models {
+                    model.supports_tools = self.model_supports_tools;
+                }
+                catalog
+            }),
             (None, None) => Err(CatalogError::NotConfigured),
         }
     }
@@ -433,6 +446,7 @@ mod tests {
             model_api_key: None,
             model_name: "default".into(),
             model_context_tokens: None,
+            model_supports_tools: true,
         };
         assert!(matches!(none.catalog(), Err(CatalogError::NotConfigured)));
     }

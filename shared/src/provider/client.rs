@@ -81,6 +81,9 @@ pub struct AssistantTurn {
     pub finish_reason: Option<String>,
     /// Usage from the last chunk that carried it.
     pub usage: Option<Usage>,
+    /// The model name the provider reported (`model` of the chunks), if any.
+    #[serde(default)]
+    pub response_model: Option<String>,
     /// Number of stream chunks skipped because they were not valid JSON of the chunk shape.
     pub malformed_chunks: u32,
 }
@@ -179,7 +182,67 @@ impl ProviderClient {
     /// Cancel-safe: dropping the future aborts the HTTP request.
     ///
     /// Errors: see [`ProviderError`].
+    ///
+    /// Traced as the span `chat {upstream model}` (client kind) with the OpenTelemetry GenAI
+    /// semantic-convention attributes `gen_ai.operation.name` (`chat`), `gen_ai.provider.name`
+    /// and `gen_ai.system` (`openai`: the API this client speaks, whatever serves it),
+    /// `gen_ai.request.model`, `gen_ai.request.max_tokens`, `gen_ai.request.temperature`,
+    /// `server.address`, `server.port`, `gen_ai.response.model`, `gen_ai.usage.input_tokens`,
+    /// `gen_ai.usage.output_tokens`, `gen_ai.response.finish_reasons`, and `error.type` (the
+    /// [`ProviderError::code`]) on failure; plus `model.name` (the catalog id). Never message
+    /// bodies, tool arguments or output.
     pub async fn stream_chat(
+        &self,
+        model: &ModelConfig,
+        request: &ChatRequest,
+        on_delta: &mut (dyn FnMut(StreamDelta) + Send),
+    ) -> Result<AssistantTurn, ProviderError> {
+        use tracing::Instrument;
+        use tracing::field::Empty;
+        // Numbers as i64: tracing-opentelemetry exports u64 fields as strings.
+        let url = reqwest::Url::parse(&model.base_url).ok();
+        let span = tracing::info_span!(
+            "chat",
+            otel.name = %format_args!("chat {}", model.upstream_name),
+            otel.kind = "client",
+            otel.status_code = Empty,
+            model.name = %model.id,
+            gen_ai.operation.name = "chat",
+            gen_ai.provider.name = "openai",
+            gen_ai.system = "openai",
+            gen_ai.request.model = %model.upstream_name,
+            gen_ai.request.max_tokens = request.max_tokens.map(i64::from),
+            gen_ai.request.temperature = request.temperature.map(f64::from),
+            server.address = url.as_ref().and_then(|u| u.host_str()),
+            server.port = url.as_ref().and_then(reqwest::Url::port_or_known_default).map(i64::from),
+            gen_ai.response.model = Empty,
+            gen_ai.usage.input_tokens = Empty,
+            gen_ai.usage.output_tokens = Empty,
+            error.type = Empty,
+        );
+        let result = self.stream_chat_inner(model, request, on_delta).instrument(span.clone()).await;
+        match &result {
+            Ok(turn) => {
+                if let Some(name) = &turn.response_model {
+                    span.record("gen_ai.response.model", name.as_str());
+                }
+                if let Some(usage) = &turn.usage {
+                    span.record("gen_ai.usage.input_tokens", usage.prompt_tokens as i64);
+                    span.record("gen_ai.usage.output_tokens", usage.completion_tokens as i64);
+                }
+                if let Some(reason) = &turn.finish_reason {
+                    crate::telemetry::set_string_array(&span, "gen_ai.response.finish_reasons", vec![reason.clone()]);
+                }
+            }
+            Err(error) => {
+                span.record("error.type", error.code());
+                span.record("otel.status_code", "ERROR");
+            }
+        }
+        result
+    }
+
+    async fn stream_chat_inner(
         &self,
         model: &ModelConfig,
         request: &ChatRequest,
@@ -318,6 +381,7 @@ struct StreamOptions {
 /// One `chat.completion.chunk`, reduced to what is assembled.
 #[derive(Deserialize)]
 struct Chunk {
+    model: Option<String>,
     choices: Option<Vec<ChunkChoice>>,
     usage: Option<Usage>,
     error: Option<Value>,
@@ -408,6 +472,9 @@ async fn read_stream(
         }
         if chunk.usage.is_some() {
             turn.usage = chunk.usage;
+        }
+        if turn.response_model.is_none() {
+            turn.response_model = chunk.model.filter(|m| !m.is_empty());
         }
         let Some(choice) = chunk.choices.and_then(|c| c.into_iter().next()) else {
             continue;

@@ -43,6 +43,8 @@ pub const SUMMARY_MARKER: &str = "<!--agentloop:summary-->";
 pub const CONTINUE_TEXT: &str = "Continue.";
 /// Content of the synthetic tool result answering a call whose result was never recorded.
 pub const NO_RESULT_TEXT: &str = "[no result recorded]";
+/// Appended to the text of an assistant answer the user stopped mid-stream.
+pub const STOPPED_NOTE: &str = "\n\n[interrupted: the user stopped this answer before it was finished]";
 /// Mistral bridge: assistant turn inserted between a tool result and a following user turn.
 pub const TOOL_RESULTS_RECEIVED_TEXT: &str = "Tool results received.";
 
@@ -379,6 +381,12 @@ fn strip(context: &ContextMessage, modalities: Modalities) -> Msg {
             }
         }
         other => Value::String(strip_marker(&other.to_string())),
+    };
+    // A stopped answer (the user cancelled it mid-stream) reads as interrupted, so the model
+    // does not take it for a finished one (SPEC §4, issue 11).
+    let content = match content {
+        Value::String(s) if m.stopped && role == ASSISTANT => Value::String(format!("{s}{STOPPED_NOTE}")),
+        other => other,
     };
     let (calls, had_calls) = match (role, &m.tool_calls) {
         (ASSISTANT, Some(Value::Array(calls))) if !calls.is_empty() => {
@@ -810,6 +818,7 @@ mod tests {
                 tool_call_id: None,
                 reasoning: None,
                 token_estimate: 3,
+                stopped: false,
             },
         }
     }
@@ -844,6 +853,7 @@ mod tests {
                     tool_call_id: v["tool_call_id"].as_str().map(Into::into),
                     reasoning: v["reasoning_content"].as_str().map(Into::into),
                     token_estimate: 0,
+                    stopped: false,
                 },
             })
             .collect()
@@ -1191,6 +1201,7 @@ mod tests {
                         tool_call_id: call_id,
                         reasoning,
                         token_estimate: 7,
+                        stopped: false,
                     },
                 }
             })

@@ -11,13 +11,18 @@
 //!   },
 //!   "mcpServers": [
 //!     {"name": "tickets", "transport": "http", "url": "http://127.0.0.1:9000/mcp",
-//!      "headers": {"Authorization": "Bearer ..."}, "policy": "ask"},
+//!      "headers": {"Authorization": "Bearer ..."}, "policy": "ask",
+//!      "connectTimeoutMs": 10000, "readTimeoutMs": 300000, "callTimeoutMs": 300000,
+//!      "maxResponseBytes": 1048576, "redirects": "none"},
 //!     {"name": "files", "transport": "stdio", "command": "mcp-files", "args": ["--root", "/srv"],
 //!      "env": {"RUST_LOG": "warn"}}
 //!   ],
 //!   "httpTools": [
 //!     {"name": "notify", "description": "Send a notification.", "url": "https://hooks.example/notify",
-//!      "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}
+//!      "headers": {"X-Api-Key": "..."},
+//!      "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+//!      "connectTimeoutMs": 10000, "readTimeoutMs": 30000, "timeoutMs": 60000,
+//!      "maxResponseBytes": 1048576, "redirects": "none"}
 //!   ]
 //! }
 //! ```
@@ -26,6 +31,28 @@
 //! `policy`, `defaultPolicy`, else `auto`. `idempotent` overrides what the tool declares (built-in
 //! tools: idempotent; MCP tools: their `readOnlyHint`/`idempotentHint` annotations, else not;
 //! HTTP tools: not, unless configured). MCP tools are named `<server>__<tool>`.
+//!
+//! Outbound HTTP (HTTP tools and the MCP `http` transport) is safe by default:
+//! - **Redirects** are not followed (`"redirects": "none"`, the default): a 3xx answer is a
+//!   failed call naming the status and `Location`. `"redirects": "same-origin"` follows
+//!   307/308 redirects to the same scheme, host and port (at most 10 hops); a redirect to another
+//!   origin, and a 301/302/303 (which would turn the POST into a GET), are never followed, so the
+//!   configured `headers` (credentials) and the `Idempotency-Key` never reach another host.
+//! - **Timeouts**, in milliseconds: `connectTimeoutMs` (TCP + TLS connect), `readTimeoutMs`
+//!   (longest wait for the answer's headers and between two reads of its body; it also cuts a
+//!   server sending one byte at a time only if it pauses longer than that) and the total per call
+//!   (`timeoutMs` of an HTTP tool, `callTimeoutMs` of an MCP server; cuts slow-drip answers).
+//! - **Size**: `maxResponseBytes` bounds the bytes read of one answer while it streams in.
+//!   An HTTP tool's longer answer is cut there (the result ends with a marker); an MCP
+//!   message over the limit is rejected by the client (rmcp), making the call's outcome
+//!   unknown. Results are cut again to the registry's 16 KiB for the model.
+//!
+//! Outcomes: a call whose request certainly never left (connection refused, DNS or TLS
+//! failure, connect timeout, invalid configuration) or that the receiver refused (HTTP 3xx other
+//! than 303, 4xx; an MCP JSON-RPC error or an `isError` result) is *failed*; a call that may
+//! have reached the receiver without a usable answer (timeout after connecting, reset or
+//! closed connection while sending or reading, a truncated body, HTTP 303 or 5xx, an MCP
+//! answer over `maxResponseBytes`) is *uncertain* ([`super::ToolError::Uncertain`]).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -90,13 +117,56 @@ pub struct McpServerConfig {
     /// Default policy of this server's tools.
     #[serde(default)]
     pub policy: Option<Policy>,
-    /// Connect/list timeout in ms (default 10,000).
+    /// Timeout of connecting and listing the tools, in ms (default
+    /// [`DEFAULT_MCP_CONNECT_TIMEOUT_MS`]); for the `http` transport also the TCP + TLS connect
+    /// timeout of every request.
     #[serde(default)]
     pub connect_timeout_ms: Option<u64>,
-    /// Per-call timeout in ms (default 300,000).
+    /// Total timeout of one tool call, in ms (default [`DEFAULT_MCP_CALL_TIMEOUT_MS`]); a call
+    /// still unanswered then is uncertain.
     #[serde(default)]
     pub call_timeout_ms: Option<u64>,
+    /// `http` transport: longest wait for an answer's headers and between two reads of its body,
+    /// in ms (default: the call timeout). Keep it above the server's SSE keep-alive interval
+    /// (15 s for rmcp servers): the client's standing event stream is idle otherwise.
+    #[serde(default)]
+    pub read_timeout_ms: Option<u64>,
+    /// `http` transport: largest JSON answer or SSE event read, in bytes (default
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`]); a larger one is rejected while it streams in. The `stdio`
+    /// transport keeps rmcp's own limit (16 MiB per line).
+    #[serde(default)]
+    pub max_response_bytes: Option<usize>,
+    /// `http` transport: which redirects are followed (default `none`).
+    #[serde(default)]
+    pub redirects: Redirects,
 }
+
+/// Which HTTP redirects an outbound client follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Redirects {
+    /// None: a 3xx answer is the call's (failed) outcome.
+    #[default]
+    None,
+    /// 307 and 308 redirects to the same scheme, host and port, at most
+    /// [`MAX_REDIRECT_HOPS`] of them. Never another origin, never 301/302/303.
+    SameOrigin,
+}
+
+/// Most redirects followed for one request under [`Redirects::SameOrigin`].
+pub const MAX_REDIRECT_HOPS: usize = 10;
+/// Default answer size limit of HTTP tools and MCP `http` servers: 1 MiB, in bytes.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+/// Default TCP + TLS connect timeout of an HTTP tool, in ms.
+pub const DEFAULT_HTTP_CONNECT_TIMEOUT_MS: u64 = 10_000;
+/// Default read (idle) timeout of an HTTP tool, in ms.
+pub const DEFAULT_HTTP_READ_TIMEOUT_MS: u64 = 30_000;
+/// Default total timeout of an HTTP tool call, in ms.
+pub const DEFAULT_HTTP_TIMEOUT_MS: u64 = 60_000;
+/// Default connect-and-list timeout of an MCP server, in ms.
+pub const DEFAULT_MCP_CONNECT_TIMEOUT_MS: u64 = 10_000;
+/// Default total timeout of an MCP tool call, in ms.
+pub const DEFAULT_MCP_CALL_TIMEOUT_MS: u64 = 300_000;
 
 /// A tool that POSTs its JSON arguments to a URL with an `Idempotency-Key` header.
 #[derive(Debug, Clone, Deserialize)]
@@ -109,11 +179,29 @@ pub struct HttpToolConfig {
     /// JSON Schema of the arguments (default: any object).
     #[serde(default)]
     pub parameters: Option<Value>,
+    /// Extra request headers (e.g. `X-Api-Key`, `Authorization`). Sent to `url`'s origin only;
+    /// never logged.
     #[serde(default)]
     pub headers: HashMap<String, String>,
-    /// Request timeout in ms (default 60,000).
+    /// Total timeout of one call, from connecting until the last byte of the answer, in ms
+    /// (default [`DEFAULT_HTTP_TIMEOUT_MS`]).
     #[serde(default)]
     pub timeout_ms: Option<u64>,
+    /// TCP + TLS connect timeout, in ms (default [`DEFAULT_HTTP_CONNECT_TIMEOUT_MS`]). A call
+    /// that times out connecting never sent anything: it fails.
+    #[serde(default)]
+    pub connect_timeout_ms: Option<u64>,
+    /// Longest wait for the answer's headers and between two reads of its body, in ms (default
+    /// [`DEFAULT_HTTP_READ_TIMEOUT_MS`]).
+    #[serde(default)]
+    pub read_timeout_ms: Option<u64>,
+    /// Largest answer body read, in bytes (default [`DEFAULT_MAX_RESPONSE_BYTES`]); the read
+    /// stops there and the result ends with `…[answer cut at N bytes]`.
+    #[serde(default)]
+    pub max_response_bytes: Option<usize>,
+    /// Which redirects are followed (default `none`).
+    #[serde(default)]
+    pub redirects: Redirects,
 }
 
 /// The whole `TOOLS_FILE`.
@@ -172,9 +260,19 @@ impl ToolsConfig {
                 _ => {}
             }
         }
+        for server in &self.mcp_servers {
+            let limits = [server.connect_timeout_ms, server.call_timeout_ms, server.read_timeout_ms, server.max_response_bytes.map(|b| b as u64)];
+            if limits.contains(&Some(0)) {
+                return Err(ToolsConfigError::Invalid(format!("MCP server `{}`: timeouts and maxResponseBytes must be positive", server.name)));
+            }
+        }
         for tool in &self.http_tools {
             if !valid(&tool.name) {
                 return Err(ToolsConfigError::Invalid(format!("HTTP tool name `{}` must match ^[a-zA-Z0-9_-]{{1,64}}$", tool.name)));
+            }
+            let limits = [tool.timeout_ms, tool.connect_timeout_ms, tool.read_timeout_ms, tool.max_response_bytes.map(|b| b as u64)];
+            if limits.contains(&Some(0)) {
+                return Err(ToolsConfigError::Invalid(format!("HTTP tool `{}`: timeouts and maxResponseBytes must be positive", tool.name)));
             }
         }
         Ok(())
@@ -202,5 +300,25 @@ mod tests {
             serde_json::from_value(serde_json::json!({"mcpServers": [{"name": "a__b", "transport": "http", "url": "u"}]})).unwrap();
         assert!(bad.validate().is_err());
         assert!(serde_json::from_value::<ToolsConfig>(serde_json::json!({"tool": {}})).is_err());
+    }
+
+    #[test]
+    fn outbound_settings_parse_and_are_checked() {
+        let config: ToolsConfig = serde_json::from_value(serde_json::json!({
+            "mcpServers": [{"name": "x", "transport": "http", "url": "http://h/mcp", "readTimeoutMs": 5, "maxResponseBytes": 10, "redirects": "same-origin"}],
+            "httpTools": [{"name": "pay", "url": "http://h/pay", "connectTimeoutMs": 1, "readTimeoutMs": 2, "timeoutMs": 3, "maxResponseBytes": 4}]
+        }))
+        .unwrap();
+        config.validate().unwrap();
+        assert_eq!(config.mcp_servers[0].redirects, Redirects::SameOrigin);
+        assert_eq!(config.http_tools[0].redirects, Redirects::None, "no redirects by default");
+        assert_eq!(config.http_tools[0].max_response_bytes, Some(4));
+        let always = serde_json::json!({"httpTools": [{"name": "pay", "url": "u", "redirects": "always"}]});
+        assert!(serde_json::from_value::<ToolsConfig>(always).is_err(), "there is no follow-anything setting");
+        let zero: ToolsConfig = serde_json::from_value(serde_json::json!({"httpTools": [{"name": "pay", "url": "u", "readTimeoutMs": 0}]})).unwrap();
+        assert!(zero.validate().is_err());
+        let zero: ToolsConfig =
+            serde_json::from_value(serde_json::json!({"mcpServers": [{"name": "x", "transport": "http", "url": "u", "maxResponseBytes": 0}]})).unwrap();
+        assert!(zero.validate().is_err());
     }
 }

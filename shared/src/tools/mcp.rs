@@ -6,6 +6,17 @@
 //! model as `<server>__<tool>` with their JSON schemas. A call passes the run's stable operation
 //! key as the request's `_meta.idempotencyKey` (SPEC §7). A server that is down never fails a run:
 //! the call becomes an error result the model reads (`MCP server `x` is unavailable: ...`).
+//!
+//! The `http` transport uses its own reqwest client: the server's connect and read timeouts, no
+//! redirects unless `"redirects": "same-origin"`, and rmcp's response limits set to
+//! `maxResponseBytes` (a JSON answer or SSE event over it is rejected while it streams in; rmcp
+//! cannot truncate one). Sessions are not silently re-initialized after an expiry: the call
+//! fails and the next one reconnects.
+//!
+//! Outcomes of a call ([`classify_call_error`]): a JSON-RPC error answer or an `isError` result
+//! is failed (the server answered), as is a failure to connect before the request was sent; a
+//! call timeout, a transport error or a connection closed after the request was sent is
+//! uncertain.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock, Weak};
@@ -13,14 +24,21 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use rmcp::model::{CallToolRequestParams, CallToolResult, ContentBlock, MetaObject, RequestMetaObject};
-use rmcp::service::{Peer, RoleClient, RunningService, ServiceExt};
+use rmcp::service::{ClientInitializeError, Peer, RoleClient, RunningService, ServiceError, ServiceExt};
+use rmcp::transport::common::client_side_sse::ExponentialBackoff;
+use rmcp::transport::streamable_http_client::StreamableHttpError;
 use serde_json::{Map, Value};
 
-use super::config::{McpServerConfig, McpTransport};
+use super::config::{DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MCP_CALL_TIMEOUT_MS, DEFAULT_MCP_CONNECT_TIMEOUT_MS, McpServerConfig, McpTransport};
+use super::http::{OnRefusedRedirect, classify_send_error, describe, outbound_client, redirect_policy};
 use super::{Tool, ToolContext, ToolError};
 
 /// Minimum pause between two connection attempts to a server that failed.
 pub const RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
+
+/// How often a broken SSE answer stream of the `http` transport is resumed before the call's
+/// outcome is given up as unknown.
+pub const SSE_RESUME_ATTEMPTS: usize = 3;
 
 /// `_meta` key carrying the operation key of a call.
 pub const IDEMPOTENCY_META_KEY: &str = "idempotencyKey";
@@ -92,7 +110,7 @@ impl McpServer {
             return Err(state.last_error.clone().unwrap_or_else(|| "not connected".into()));
         }
         state.last_attempt = Some(Instant::now());
-        let timeout = Duration::from_millis(self.config.connect_timeout_ms.unwrap_or(10_000));
+        let timeout = self.connect_timeout();
         let result = match tokio::time::timeout(timeout, self.open()).await {
             Ok(Ok((client, tools))) => {
                 *self.tools.write().expect("mcp tools lock") = tools;
@@ -124,9 +142,30 @@ impl McpServer {
                     let value = reqwest::header::HeaderValue::from_str(value).map_err(|e| format!("header {name}: {e}"))?;
                     headers.insert(name, value);
                 }
-                let config = StreamableHttpClientTransportConfig::with_uri(url).custom_headers(headers);
-                let transport = StreamableHttpClientTransport::from_config(config);
-                ().serve(transport).await.map_err(|e| format!("cannot connect: {e}"))?
+                let call_timeout = self.call_timeout();
+                let read_timeout = self.config.read_timeout_ms.map_or(call_timeout, Duration::from_millis);
+                let policy = redirect_policy(self.config.redirects, OnRefusedRedirect::Error);
+                // No idle pooling, like rmcp's default client (avoids delayed-ACK stalls on reuse).
+                let client = outbound_client(self.connect_timeout(), read_timeout, None, policy)
+                    .pool_max_idle_per_host(0)
+                    .build()
+                    .map_err(|e| format!("cannot build the HTTP client: {}", describe(&e)))?;
+                let cap = self.config.max_response_bytes.unwrap_or(DEFAULT_MAX_RESPONSE_BYTES);
+                let mut config = StreamableHttpClientTransportConfig::with_uri(url)
+                    .custom_headers(headers)
+                    .max_json_response_size(cap)
+                    .max_sse_event_size(cap)
+                    .reinit_on_expired_session(false);
+                // A broken event stream is resumed a few times (0.25 + 0.5 + 1 s), not forever:
+                // a call whose answer stream died ends as uncertain instead of waiting for the
+                // call timeout.
+                let mut retry = ExponentialBackoff::default();
+                retry.max_times = Some(SSE_RESUME_ATTEMPTS);
+                retry.base_duration = Duration::from_millis(250);
+                retry.max_delay = Some(Duration::from_secs(2));
+                config.retry_config = Arc::new(retry);
+                let transport = StreamableHttpClientTransport::with_client(client, config);
+                ().serve(transport).await.map_err(|e| format!("cannot connect: {}", init_text(&e)))?
             }
             McpTransport::Stdio => {
                 let mut command = tokio::process::Command::new(self.config.command.clone().unwrap_or_default());
@@ -136,10 +175,10 @@ impl McpServer {
                     .stderr(std::process::Stdio::inherit())
                     .spawn()
                     .map_err(|e| format!("cannot start: {e}"))?;
-                ().serve(transport).await.map_err(|e| format!("cannot connect: {e}"))?
+                ().serve(transport).await.map_err(|e| format!("cannot connect: {}", init_text(&e)))?
             }
         };
-        let listed = client.list_all_tools().await.map_err(|e| format!("cannot list tools: {e}"))?;
+        let listed = client.list_all_tools().await.map_err(|e| format!("cannot list tools: {}", service_text(&e)))?;
         let tools = listed
             .into_iter()
             .map(|tool| {
@@ -159,6 +198,14 @@ impl McpServer {
         Ok((client, tools))
     }
 
+    fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.config.connect_timeout_ms.unwrap_or(DEFAULT_MCP_CONNECT_TIMEOUT_MS))
+    }
+
+    fn call_timeout(&self) -> Duration {
+        Duration::from_millis(self.config.call_timeout_ms.unwrap_or(DEFAULT_MCP_CALL_TIMEOUT_MS))
+    }
+
     async fn peer(&self) -> Result<Peer<RoleClient>, String> {
         self.connect(false).await?;
         let state = self.state.lock().await;
@@ -170,7 +217,9 @@ impl McpServer {
         state.client = None;
     }
 
-    /// Calls `remote` with `args`; the result text, or a tool error the model can read.
+    /// Calls `remote` with `args`; the result text, or a tool error the model can read
+    /// (classified by [`classify_call_error`]; a server that cannot be reached before the call
+    /// is sent is failed).
     async fn call(&self, remote: &str, args: Value, key: &str) -> Result<String, ToolError> {
         let name = &self.config.name;
         let peer = self.peer().await.map_err(|e| ToolError::Failed(format!("MCP server `{name}` is unavailable: {e}")))?;
@@ -182,17 +231,98 @@ impl McpServer {
         meta.insert(IDEMPOTENCY_META_KEY.into(), Value::String(key.to_owned()));
         let mut params = CallToolRequestParams::new(remote.to_owned()).with_arguments(arguments);
         params.meta = Some(RequestMetaObject(MetaObject(meta)));
-        let timeout = Duration::from_millis(self.config.call_timeout_ms.unwrap_or(300_000));
+        let timeout = self.call_timeout();
         match tokio::time::timeout(timeout, peer.call_tool(params)).await {
             Ok(Ok(result)) => result_text(result),
             Ok(Err(error)) => {
-                if !matches!(error, rmcp::service::ServiceError::McpError(_)) {
+                if !matches!(error, ServiceError::McpError(_)) {
                     self.forget().await;
                 }
-                Err(ToolError::Failed(format!("MCP server `{name}` failed the call: {error}")))
+                if matches!(error, ServiceError::TransportClosed) && self.config.transport == McpTransport::Http {
+                    // rmcp drops an SSE event over the cap and then reports the stream closed.
+                    let cap = self.config.max_response_bytes.unwrap_or(DEFAULT_MAX_RESPONSE_BYTES);
+                    return Err(ToolError::Uncertain(format!(
+                        "MCP server `{name}` closed the call's answer stream before answering (so does an answer over maxResponseBytes, {cap} bytes)"
+                    )));
+                }
+                Err(classify_call_error(name, &error))
             }
-            Err(_) => Err(ToolError::Failed(format!("MCP server `{name}` did not answer within {} ms", timeout.as_millis()))),
+            Err(_) => Err(ToolError::Uncertain(format!("MCP server `{name}` did not answer within {} ms", timeout.as_millis()))),
         }
+    }
+}
+
+/// Classifies the error of an MCP `tools/call` sent to `server` (the call timeout itself is
+/// uncertain too; it is applied around the call):
+///
+/// - [`ToolError::Failed`]: the server answered with a JSON-RPC error; or the `http` transport
+///   certainly did not deliver the request — it could not connect (see
+///   [`super::http::classify_send_error`]), had an invalid header, or the server answered the
+///   POST with a refusal (HTTP 3xx not followed other than 303, 401/403, 404 session expired,
+///   other 4xx, 429).
+/// - [`ToolError::Uncertain`]: anything after the request may have been sent — a transport
+///   error while sending or reading (timeout, reset, truncated or oversized answer, HTTP 5xx,
+///   an unparseable answer), a connection closed before the answer, a cancelled request.
+pub fn classify_call_error(server: &str, error: &ServiceError) -> ToolError {
+    let text = format!("MCP server `{server}` failed the call: {}", service_text(error));
+    let failed = match error {
+        ServiceError::McpError(_) => true,
+        ServiceError::TransportSend(transport) => {
+            let mut current: Option<&(dyn std::error::Error + 'static)> = Some(transport.error.as_ref());
+            let mut found = None;
+            while let Some(e) = current {
+                if let Some(http) = e.downcast_ref::<StreamableHttpError<reqwest::Error>>() {
+                    found = Some(http);
+                    break;
+                }
+                current = e.source();
+            }
+            found.is_some_and(|http| http_error_is_refusal(server, http))
+        }
+        _ => false,
+    };
+    if failed { ToolError::Failed(text) } else { ToolError::Uncertain(text) }
+}
+
+/// Text of a transport error: reqwest's error chain when there is one (rmcp does not chain its
+/// client errors as sources), without URLs.
+fn transport_text(error: &(dyn std::error::Error + 'static)) -> String {
+    match error.downcast_ref::<StreamableHttpError<reqwest::Error>>() {
+        Some(StreamableHttpError::Client(e)) => describe(e),
+        _ => describe(error),
+    }
+}
+
+/// Text of a request's error, without rmcp's transport type names.
+fn service_text(error: &ServiceError) -> String {
+    match error {
+        ServiceError::TransportSend(transport) => transport_text(transport.error.as_ref()),
+        other => describe(other),
+    }
+}
+
+/// Text of a failed initialization.
+fn init_text(error: &ClientInitializeError) -> String {
+    match error {
+        ClientInitializeError::TransportError { error, context } => format!("{} (when {context})", transport_text(error.error.as_ref())),
+        other => describe(other),
+    }
+}
+
+/// Whether a streamable-HTTP transport error means the POST certainly had no effect.
+fn http_error_is_refusal(server: &str, error: &StreamableHttpError<reqwest::Error>) -> bool {
+    match error {
+        StreamableHttpError::Client(e) => matches!(classify_send_error(e, server), ToolError::Failed(_)),
+        StreamableHttpError::HttpStatus(status) => (400..500).contains(&status.status),
+        StreamableHttpError::AuthRequired(_)
+        | StreamableHttpError::InsufficientScope(_)
+        | StreamableHttpError::SessionExpired
+        | StreamableHttpError::ReservedHeaderConflict(_) => true,
+        // rmcp reports other non-success answers as `HTTP <status>: <body>`.
+        StreamableHttpError::UnexpectedServerResponse(text) => {
+            text.strip_prefix("HTTP 4").is_some_and(|rest| rest.as_bytes().first().is_some_and(u8::is_ascii_digit))
+        }
+        _ => false,
     }
 }
 

@@ -5,6 +5,16 @@
 //!
 //! Every failure a model can cause (unknown tool, bad arguments, tool error, cancellation)
 //! becomes an error [`ToolOutcome`] the model reads; nothing here panics on model input.
+//!
+//! A failure is one of two kinds, and callers must keep them apart for tools with external
+//! effects: *failed* ([`ToolError::Failed`], [`ToolOutcome::uncertain`] false) means the effect
+//! certainly did not happen — the request never left, or the receiver answered and refused —
+//! while *uncertain* ([`ToolError::Uncertain`], [`ToolOutcome::uncertain`] true) means the
+//! request may have reached the receiver and had its effect, but no usable answer came back
+//! (timeout, reset, truncated answer, HTTP 5xx, ...). An uncertain call must not be reported as
+//! failed nor retried under a new key: the ledger records it `uncertain` and a human decides.
+//! Each client classifies in one place: [`http::classify_send_error`] and the response rules of
+//! [`http::HttpTool`], [`mcp::classify_call_error`].
 
 pub mod builtin;
 pub mod config;
@@ -52,19 +62,36 @@ pub struct ToolContext {
     pub cancel: CancellationToken,
 }
 
+impl ToolContext {
+    /// A context for a call keyed `idempotency_key`, with a fresh (uncancelled) token.
+    pub fn new(idempotency_key: impl Into<String>) -> Self {
+        Self { idempotency_key: idempotency_key.into(), cancel: CancellationToken::new() }
+    }
+}
+
 /// A tool failure; its `Display` text is what the model reads.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ToolError {
     /// Arguments the schema allowed but the tool cannot use.
     #[error("invalid arguments: {0}")]
     InvalidArguments(String),
-    /// The tool ran and failed.
+    /// The call certainly had no effect: it never left the process, or the receiver answered
+    /// and refused (or reported the failure itself).
     #[error("{0}")]
     Failed(String),
+    /// The request may have reached the receiver and had its effect, but its outcome is unknown
+    /// (timeout, connection reset or closed while sending or reading, truncated answer, HTTP
+    /// 5xx, ...). The text says what happened; `Display` prefixes it with
+    /// [`UNCERTAIN_PREFIX`].
+    #[error("outcome unknown (the call may have taken effect): {0}")]
+    Uncertain(String),
     /// The call was cancelled through [`ToolContext::cancel`].
     #[error("cancelled")]
     Cancelled,
 }
+
+/// How the content of an uncertain outcome starts.
+pub const UNCERTAIN_PREFIX: &str = "outcome unknown (the call may have taken effect): ";
 
 /// Result of [`ToolRegistry::execute`], becoming the `role: "tool"` message content.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,17 +99,29 @@ pub struct ToolOutcome {
     /// Result text or error message, at most the registry's `max_result_bytes` bytes (when
     /// that is at least 48).
     pub content: String,
-    /// True if `content` describes a failure.
+    /// True if `content` describes a failure (failed or uncertain).
     pub is_error: bool,
+    /// True if the call may have had its effect although it produced no usable answer
+    /// ([`ToolError::Uncertain`], or a cancellation after the tool started); implies `is_error`.
+    /// For a non-idempotent tool the operation must be recorded `uncertain`, not `failed`.
+    #[serde(default)]
+    pub uncertain: bool,
 }
 
 impl ToolOutcome {
-    /// An error outcome with `message`.
+    /// A successful outcome with `content`.
+    pub fn ok(content: impl Into<String>) -> Self {
+        Self { content: content.into(), is_error: false, uncertain: false }
+    }
+
+    /// A failed outcome with `message` (the call certainly had no effect).
     pub fn error(message: impl Into<String>) -> Self {
-        Self {
-            content: message.into(),
-            is_error: true,
-        }
+        Self { content: message.into(), is_error: true, uncertain: false }
+    }
+
+    /// An uncertain outcome with `message` (see [`ToolOutcome::uncertain`]).
+    pub fn uncertain(message: impl Into<String>) -> Self {
+        Self { content: message.into(), is_error: true, uncertain: true }
     }
 }
 
@@ -126,11 +165,8 @@ impl ToolRegistry {
     pub fn configure(&mut self, config: &ToolsConfig) {
         self.settings = config.tools.clone();
         self.default_policy = config.default_policy.unwrap_or_default();
-        // reqwest (here and in rmcp's HTTP transport) is built without a default TLS provider.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let client = reqwest::Client::new();
         for tool in &config.http_tools {
-            self.register(Arc::new(http::HttpTool::new(tool.clone(), client.clone())));
+            self.register(Arc::new(http::HttpTool::new(tool.clone())));
         }
         self.mcp = config.mcp_servers.iter().cloned().map(mcp::McpServer::new).collect();
     }
@@ -247,18 +283,28 @@ impl ToolRegistry {
     }
 
     /// Runs a tool on arguments [`ToolRegistry::prepare`] validated; bounds the result.
+    ///
+    /// The outcome keeps the tool's classification: `Ok` is a success,
+    /// [`ToolError::Uncertain`] an uncertain outcome (`is_error` and `uncertain`), any other
+    /// error a failed one. A cancellation of `ctx.cancel` before the tool started is failed
+    /// (`cancelled`: nothing ran); one while the tool was running is uncertain (its request may
+    /// already have left).
     pub async fn invoke(&self, tool: &dyn Tool, arguments: Value, ctx: ToolContext) -> ToolOutcome {
         let cancel = ctx.cancel.clone();
+        if cancel.is_cancelled() {
+            return ToolOutcome::error(ToolError::Cancelled.to_string());
+        }
         let result = tokio::select! {
             biased;
-            () = cancel.cancelled() => Err(ToolError::Cancelled),
+            () = cancel.cancelled() => Err(ToolError::Uncertain("cancelled while the call was running".into())),
             result = tool.call(arguments, ctx) => result,
         };
-        let (content, is_error) = match result {
-            Ok(text) => (text, false),
-            Err(error) => (error.to_string(), true),
+        let outcome = match result {
+            Ok(text) => ToolOutcome::ok(text),
+            Err(error @ ToolError::Uncertain(_)) => ToolOutcome::uncertain(error.to_string()),
+            Err(error) => ToolOutcome::error(error.to_string()),
         };
-        ToolOutcome { content: truncate_middle(content, self.max_result_bytes), is_error }
+        ToolOutcome { content: truncate_middle(outcome.content, self.max_result_bytes), ..outcome }
     }
 
     /// Bounds `text` like a tool result (head and tail around an omission marker).
@@ -269,7 +315,8 @@ impl ToolRegistry {
     /// Validates `raw_arguments` (the model's text; empty means `{}`) against the tool's
     /// schema and runs it. Never fails: an unknown tool (`unknown tool: x`), arguments that are
     /// not a JSON object, a missing required field, a wrong JSON type, a tool error or
-    /// cancellation of `ctx.cancel` (`cancelled`, returned promptly) give an error outcome.
+    /// cancellation of `ctx.cancel` (returned promptly) give an error outcome, uncertain as
+    /// [`ToolRegistry::invoke`] says.
     /// Content longer than `max_result_bytes` keeps its head and tail around
     /// `\n…[N bytes omitted]…\n`, cut on character boundaries.
     pub async fn execute(&self, name: &str, raw_arguments: &str, ctx: ToolContext) -> ToolOutcome {
@@ -391,7 +438,8 @@ mod tests {
                 "properties": {
                     "text": {"type": "string"},
                     "times": {"type": "integer"},
-                    "fail": {"type": ["boolean", "null"]}
+                    "fail": {"type": ["boolean", "null"]},
+                    "uncertain": {"type": "boolean"}
                 },
                 "required": ["text"]
             })
@@ -408,6 +456,9 @@ mod tests {
                 let text = args["text"].as_str().unwrap_or_default().to_owned();
                 if args["fail"] == true {
                     return Err(ToolError::Failed(text));
+                }
+                if args["uncertain"] == true {
+                    return Err(ToolError::Uncertain(text.repeat(args["times"].as_u64().unwrap_or(1) as usize)));
                 }
                 Ok(text.repeat(args["times"].as_u64().unwrap_or(1) as usize))
             })
@@ -492,13 +543,8 @@ mod tests {
             );
         }
         let ok = run("echo", r#"{"text":"hi","times":2.0,"fail":null}"#).await;
-        assert_eq!(
-            ok,
-            ToolOutcome {
-                content: "hihi".into(),
-                is_error: false
-            }
-        );
+        assert_eq!(ok, ToolOutcome::ok("hihi"));
+        assert!(!run("echo", r#"{"text":"boom","fail":true}"#).await.uncertain, "failed is not uncertain");
         let empty_is_object = run("current_time", "  ").await;
         assert!(!empty_is_object.is_error, "{}", empty_is_object.content);
     }
@@ -531,13 +577,26 @@ mod tests {
         let outcome = registry(1000)
             .execute("sleep", r#"{"seconds": 30}"#, ctx)
             .await;
-        assert_eq!(
-            outcome,
-            ToolOutcome {
-                content: "cancelled".into(),
-                is_error: true
-            }
-        );
+        assert!(outcome.is_error && outcome.uncertain, "cancelled while running: {outcome:?}");
+        assert!(outcome.content.starts_with(UNCERTAIN_PREFIX), "{}", outcome.content);
         assert!(started.elapsed() < std::time::Duration::from_secs(5));
+
+        let ctx = self::ctx();
+        ctx.cancel.cancel();
+        let outcome = registry(1000).execute("sleep", r#"{"seconds": 30}"#, ctx).await;
+        assert_eq!(outcome, ToolOutcome::error("cancelled"), "cancelled before it started: nothing ran");
+    }
+
+    #[tokio::test]
+    async fn uncertain_errors_pass_through_bounded() {
+        let registry = registry(1000);
+        let outcome = registry.execute("echo", r#"{"text":"timeout ","times":500,"uncertain":true}"#, ctx()).await;
+        assert!(outcome.is_error && outcome.uncertain, "{outcome:?}");
+        assert!(outcome.content.starts_with(UNCERTAIN_PREFIX), "the text says the outcome is unknown: {}", outcome.content);
+        assert!(outcome.content.len() <= 1000, "still bounded: {}", outcome.content.len());
+        let json = serde_json::to_value(&outcome).unwrap();
+        assert_eq!(json["uncertain"], true);
+        let old: ToolOutcome = serde_json::from_value(serde_json::json!({"content": "x", "is_error": true})).unwrap();
+        assert!(!old.uncertain, "outcomes serialized before the field read as certain");
     }
 }

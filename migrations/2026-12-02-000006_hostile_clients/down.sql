@@ -1,0 +1,10 @@
+DROP TRIGGER IF EXISTS threads_principal_limits ON threads;
+DROP TRIGGER IF EXISTS runs_principal_limits ON runs;
+DROP FUNCTION IF EXISTS agentloop_threads_limit();
+DROP FUNCTION IF EXISTS agentloop_runs_limit();
+DROP FUNCTION IF EXISTS agentloop_lock_principal(uuid);
+DROP FUNCTION IF EXISTS agentloop_limit(text);
+DROP INDEX IF EXISTS runs_principal_open;
+DROP TABLE IF EXISTS sessions;
+DROP INDEX IF EXISTS api_keys_principal;
+ALTER TABLE api_keys DROP COLUMN IF EXISTS last_used_at, DROP COLUMN IF EXISTS expires_at, DROP COLUMN IF EXISTS name;

@@ -1,0 +1,171 @@
+//! The durable write path (issue 9: "a step is a value, committed once").
+//!
+//! Every durable step — a claim, a lease renewal, a slice start, a checkpoint, a streaming
+//! flush, and every API command that changes a thread's runs — is computed in memory as a JSON
+//! value and applied by ONE PostgreSQL function (`migrations/2026-12-01-000005_durable_core`) in
+//! ONE statement: one transaction, one round trip, the statement prepared once per connection,
+//! the lock order (thread, then runs, then approvals/operations) and the fence built into the
+//! function, at most one notification per channel. [`Store::call`] is the only way in: it
+//! cleans NUL characters out of the value, bounds each attempt by a timeout, classifies
+//! failures once ([`fault`]) and retries what is safe to retry until the caller's deadline.
+//!
+//! The typed steps live with their protocol: [`crate::scheduler`] (claim, lease, slice start,
+//! checkpoint, streaming) and [`crate::commands`] (API commands).
+
+pub mod fault;
+pub mod pool;
+
+use std::time::{Duration, Instant};
+
+use backon::BackoffBuilder;
+use serde_json::Value;
+
+pub use fault::Fault;
+pub use pool::{PoolSettings, StoreConn, StorePool};
+
+/// Whether a call may be sent again when its outcome is unknown (the connection broke after
+/// the statement may have been sent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replay {
+    /// Applying the same value twice has the effect of applying it once (worker steps carry a
+    /// commit id; claims re-adopt; commands with an idempotency key replay their receipt).
+    Safe,
+    /// A second application would repeat the effect: an unknown outcome is reported as such.
+    Unsafe,
+}
+
+/// A failed call, after the retries [`Store::call`] was allowed to make.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    /// A step function refused the command (HTTP `status`, stable `code`).
+    #[error("{code}: {message}")]
+    Refused { status: u16, code: String, message: String },
+    /// The database stayed unavailable (transient faults) until the deadline.
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
+    /// The connection broke while a replay-unsafe command may have been committed.
+    #[error("the outcome is unknown: {0}")]
+    OutcomeUnknown(String),
+    /// A constraint, data or programming error: retrying would fail the same way.
+    #[error("database error {sqlstate}: {message}")]
+    Deterministic { sqlstate: String, message: String },
+}
+
+/// Timing of [`Store`] calls.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// Longest wait for one attempt's answer; then its connection is discarded and the outcome
+    /// is unknown.
+    pub call_timeout: Duration,
+    /// Default deadline for a call's retries (commands); worker steps pass their own.
+    pub retry_for: Duration,
+}
+
+/// The durable write path's connections and call discipline. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    pool: StorePool,
+    timing: Timing,
+}
+
+impl Store {
+    /// A store over a new pool (no connection opened yet).
+    pub fn new(settings: &PoolSettings, timing: Timing) -> anyhow::Result<Self> {
+        Ok(Self { pool: pool::build(settings)?, timing })
+    }
+
+    /// A store whose connections carry extra session settings (`-c name=value ...`), e.g. the
+    /// api's per-principal limits read by the triggers of `migrations/…000006_hostile_clients`.
+    pub fn with_options(settings: &PoolSettings, timing: Timing, extra_options: &str) -> anyhow::Result<Self> {
+        Ok(Self { pool: pool::build_with(settings, extra_options)?, timing })
+    }
+
+    /// The configured timing.
+    pub fn timing(&self) -> Timing {
+        self.timing
+    }
+
+    /// Pool status for metrics: `(size, available, waiting)`.
+    pub fn pool_status(&self) -> (usize, usize, usize) {
+        let s = self.pool.status();
+        (s.size, s.available, s.waiting)
+    }
+
+    /// Calls step function `function` with `arg`, retrying transient faults (and unknown
+    /// outcomes when `replay` is [`Replay::Safe`]) with exponential backoff and jitter until
+    /// `deadline` (default: now + `timing.retry_for`).
+    ///
+    /// Errors: [`StoreError::Refused`] (the function's business refusal), `Deterministic`,
+    /// `Unavailable` (deadline passed), `OutcomeUnknown` (replay-unsafe call lost mid-flight).
+    pub async fn call(&self, function: &'static str, arg: &Value, replay: Replay, deadline: Option<Instant>) -> Result<Value, StoreError> {
+        let deadline = deadline.unwrap_or_else(|| Instant::now() + self.timing.retry_for);
+        let arg = crate::text::clean_json(arg);
+        let mut delays = backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(20))
+            .with_max_delay(Duration::from_secs(1))
+            .with_jitter()
+            .without_max_times()
+            .build();
+        loop {
+            let fault = match self.attempt(function, &arg).await {
+                Ok(value) => return Ok(value),
+                Err(fault) => fault,
+            };
+            let label = match &fault {
+                Fault::Refused { status, code, message } => {
+                    return Err(StoreError::Refused { status: *status, code: code.clone(), message: message.clone() });
+                }
+                Fault::Deterministic { sqlstate, message } => {
+                    tracing::error!(db.function = function, db.sqlstate = %sqlstate, error = %message, "step function failed");
+                    return Err(StoreError::Deterministic { sqlstate: sqlstate.clone(), message: message.clone() });
+                }
+                Fault::Unknown(message) if replay == Replay::Unsafe => {
+                    metrics::counter!("agentloop_store_faults_total", "function" => function, "fault" => "unknown").increment(1);
+                    return Err(StoreError::OutcomeUnknown(message.clone()));
+                }
+                Fault::Retry(_) => "retry",
+                Fault::Unknown(_) => "unknown",
+            };
+            metrics::counter!("agentloop_store_faults_total", "function" => function, "fault" => label).increment(1);
+            let delay = delays.next().unwrap_or(Duration::from_secs(1));
+            let message = match fault {
+                Fault::Retry(m) | Fault::Unknown(m) => m,
+                _ => unreachable!("handled above"),
+            };
+            if Instant::now() + delay >= deadline {
+                tracing::warn!(db.function = function, error = %message, "database unavailable until the deadline");
+                return Err(StoreError::Unavailable(message));
+            }
+            tracing::warn!(db.function = function, fault = label, error = %message, delay_ms = delay.as_millis() as u64, "transient database fault; retrying");
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// One attempt: a connection from the pool, then the call under the call timeout. A
+    /// connection whose call failed without a server answer (or timed out) is discarded.
+    async fn attempt(&self, function: &'static str, arg: &Value) -> Result<Value, Fault> {
+        let mut conn = self.pool.get().await.map_err(|e| fault::classify_pool(&e))?;
+        match tokio::time::timeout(self.timing.call_timeout, conn.call_json(function, arg)).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(error)) => {
+                let fault = fault::classify(&error);
+                if conn.is_closed() || matches!(fault, Fault::Unknown(_)) {
+                    drop(deadpool::managed::Object::take(conn));
+                }
+                Err(fault)
+            }
+            Err(_) => {
+                drop(deadpool::managed::Object::take(conn));
+                Err(Fault::Unknown(format!("no answer within {} ms", self.timing.call_timeout.as_millis())))
+            }
+        }
+    }
+
+    /// A pooled connection for ad-hoc statements (maintenance, test tools).
+    pub async fn conn(&self) -> Result<deadpool::managed::Object<pool::StoreManager>, StoreError> {
+        self.pool.get().await.map_err(|e| match fault::classify_pool(&e) {
+            Fault::Deterministic { sqlstate, message } => StoreError::Deterministic { sqlstate, message },
+            other => StoreError::Unavailable(format!("{other:?}")),
+        })
+    }
+}

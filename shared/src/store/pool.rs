@@ -1,0 +1,148 @@
+//! The connection pool of the durable write path: deadpool over plain tokio-postgres clients,
+//! each with its own prepared-statement cache (a step function is prepared once per
+//! connection, then every call is one round trip: Bind/Execute/Sync).
+//!
+//! Session settings travel in the startup packet (`options`), so a new connection costs no extra
+//! round trip: `application_name`, `statement_timeout`, `idle_in_transaction_session_timeout`
+//! (5 s: a process stalled inside a transaction releases its row locks) and `TimeZone=UTC`
+//! (timestamps in JSON are `...+00:00`), and `crate::db::PLANNER_SETTINGS` (plans that do not
+//! depend on fresh statistics). TCP keepalives and `tcp_user_timeout` make a dead or
+//! half-open peer surface as an error instead of a hang; the caller's per-call timeout covers
+//! the rest. Recycling is a local `is_closed()` check (no `SELECT 1` per checkout).
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::time::Duration;
+
+use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
+use tokio_postgres::types::Type;
+use tokio_postgres::{Client, Config, NoTls, Statement};
+use tokio_util::task::AbortOnDropHandle;
+
+/// Connection settings of a [`StorePool`].
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    /// PostgreSQL URL.
+    pub database_url: String,
+    /// `application_name` of every connection (`pg_stat_activity`).
+    pub application_name: String,
+    /// Server-side `statement_timeout`.
+    pub statement_timeout: Duration,
+    /// Most connections the pool opens.
+    pub max_size: usize,
+    /// Longest wait for a free connection (back-pressure) or a new one.
+    pub wait_timeout: Duration,
+}
+
+/// One pooled connection: the client, its prepared statements, and the task driving the socket
+/// (aborted with the connection, so a frozen socket cannot leak its driver).
+pub struct StoreConn {
+    client: Client,
+    statements: HashMap<String, Statement>,
+    _driver: AbortOnDropHandle<()>,
+}
+
+impl StoreConn {
+    /// Calls `SELECT <function>($1::jsonb)` with `arg`; returns the jsonb result. When `arg`
+    /// has a `traceparent` member (an api command that may insert a run, see
+    /// `crate::commands`) the statement is `SELECT <function>(agentloop_trace($1::jsonb))`:
+    /// the argument puts it into the transaction-local `agentloop.traceparent` that
+    /// `agentloop_insert_run` stores on the run (`migrations/…000012_trace_context`).
+    pub async fn call_json(&mut self, function: &str, arg: &serde_json::Value) -> Result<serde_json::Value, tokio_postgres::Error> {
+        let traced = arg.get("traceparent").is_some_and(serde_json::Value::is_string);
+        let key = if traced { format!("{function}+trace") } else { function.to_owned() };
+        let statement = match self.statements.get(&key) {
+            Some(s) => s.clone(),
+            None => {
+                let sql = if traced { format!("SELECT {function}(agentloop_trace($1::jsonb))") } else { format!("SELECT {function}($1::jsonb)") };
+                let s = self.client.prepare_typed(&sql, &[Type::JSONB]).await?;
+                self.statements.insert(key, s.clone());
+                s
+            }
+        };
+        let row = self.client.query_one(&statement, &[arg]).await?;
+        row.try_get::<_, Option<serde_json::Value>>(0).map(|v| v.unwrap_or(serde_json::Value::Null))
+    }
+
+    /// The raw client, for ad-hoc statements (maintenance, test tools).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Whether the connection is gone (it is then discarded, never reused).
+    pub fn is_closed(&self) -> bool {
+        self.client.is_closed()
+    }
+}
+
+/// deadpool manager creating [`StoreConn`]s.
+pub struct StoreManager {
+    config: Config,
+}
+
+impl managed::Manager for StoreManager {
+    type Type = StoreConn;
+    type Error = tokio_postgres::Error;
+
+    async fn create(&self) -> Result<StoreConn, tokio_postgres::Error> {
+        let (client, connection) = self.config.connect(NoTls).await?;
+        let driver = AbortOnDropHandle::new(tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, "store connection ended");
+            }
+        }));
+        Ok(StoreConn { client, statements: HashMap::new(), _driver: driver })
+    }
+
+    async fn recycle(&self, conn: &mut StoreConn, _: &Metrics) -> RecycleResult<tokio_postgres::Error> {
+        if conn.is_closed() { Err(RecycleError::message("connection closed")) } else { Ok(()) }
+    }
+}
+
+/// The pool type.
+pub type StorePool = managed::Pool<StoreManager>;
+
+/// The tokio-postgres configuration for `settings` (also used for dedicated connections such
+/// as the worker's lease keeper).
+pub fn config(settings: &PoolSettings) -> Result<Config, tokio_postgres::Error> {
+    config_with(settings, "")
+}
+
+/// Like [`config`], with `extra_options` (`-c name=value ...`) appended to the session
+/// settings of the startup packet (the api's per-principal limits, issue 10).
+pub fn config_with(settings: &PoolSettings, extra_options: &str) -> Result<Config, tokio_postgres::Error> {
+    let mut config = Config::from_str(&settings.database_url)?;
+    config
+        .application_name(&settings.application_name)
+        .options(format!(
+            "-c statement_timeout={} -c idle_in_transaction_session_timeout=5000 -c TimeZone=UTC -c {} {extra_options}",
+            settings.statement_timeout.as_millis(),
+            crate::db::PLANNER_SETTINGS
+        ))
+        .connect_timeout(Duration::from_secs(5))
+        .keepalives(true)
+        .keepalives_idle(Duration::from_secs(10))
+        .keepalives_interval(Duration::from_secs(2))
+        .keepalives_retries(3)
+        .tcp_user_timeout(Duration::from_secs(15));
+    Ok(config)
+}
+
+/// Builds a pool (no connection is opened until first use).
+pub fn build(settings: &PoolSettings) -> anyhow::Result<StorePool> {
+    build_with(settings, "")
+}
+
+/// Like [`build`], with extra session settings (see [`config_with`]).
+pub fn build_with(settings: &PoolSettings, extra_options: &str) -> anyhow::Result<StorePool> {
+    let manager = StoreManager { config: config_with(settings, extra_options)? };
+    Ok(managed::Pool::builder(manager)
+        .max_size(settings.max_size.max(1))
+        .wait_timeout(Some(settings.wait_timeout))
+        // Creating a connection counts against the same bound as waiting for one, so an attempt
+        // never outlives the caller's call timeout (a half-open network can stall a connect).
+        .create_timeout(Some(settings.wait_timeout))
+        .recycle_timeout(Some(Duration::from_secs(1)))
+        .runtime(deadpool::Runtime::Tokio1)
+        .build()?)
+}
