@@ -1,45 +1,42 @@
 //! Compaction inside the worker (SPEC §8): the summariser that calls the run's model, automatic
 //! compaction before a model call when the context is over the threshold, and manual compaction
-//! runs that fill a child thread.
+//! runs that fill a child thread. Every write is a checkpoint ([`Slice::commit`]).
 
 use std::sync::Mutex;
 
 use agentloop_shared::compaction::{self, CompactionError, Progress, Settings, Summarizer};
 use agentloop_shared::context::{self, ContextMessage};
-use agentloop_shared::messages::{self, NewMessage, Provenance, role};
+use agentloop_shared::messages::{self, NewMessage, role};
 use agentloop_shared::provider::catalog::ModelConfig;
-use agentloop_shared::provider::client::ChatRequest;
-use agentloop_shared::scheduler::Lease;
-use agentloop_shared::scheduler::lease::{self, SliceEnd};
-use agentloop_shared::snapshots::{self, Snapshot};
-use agentloop_shared::{events, runs::Run, tokens};
+use agentloop_shared::provider::client::{ChatRequest, ProviderClient};
+use agentloop_shared::runs::Run;
+use agentloop_shared::scheduler::step::{ContextSize, Coverage, JournalEvent, SliceEnd, SnapshotRef, SnapshotWrite};
+use agentloop_shared::scheduler::Commit;
+use agentloop_shared::tokens;
 use futures_util::future::BoxFuture;
 use serde_json::json;
+use uuid::Uuid;
 
-use crate::slice::{SliceEnv, SliceError, SliceState, failed};
+use crate::slice::{Slice, SliceError, failed};
 
 /// Summarises with the run's model: no tools, no history, no usage written to the thread.
-/// Journals `compaction {runId, pass, part, of}` before each call ("reducing context, part i/n").
+/// Records the progress of each call ("reducing context, part i/n") to be journaled.
 struct ModelSummarizer<'a> {
-    env: &'a SliceEnv,
+    provider: &'a ProviderClient,
     model: &'a ModelConfig,
-    lease: &'a Lease,
+    run_id: Uuid,
     progress: Mutex<Option<Progress>>,
+    /// Progress events not journaled yet (written with the next commit).
+    events: Mutex<Vec<JournalEvent>>,
 }
 
 impl Summarizer for ModelSummarizer<'_> {
     fn summarize(&self, transcript: String, target_tokens: i64) -> BoxFuture<'_, Result<String, CompactionError>> {
         Box::pin(async move {
-            let progress = self.progress.lock().expect("progress lock").take();
-            if let Some(p) = progress {
-                let event = json!({"runId": self.lease.run_id, "pass": p.pass, "part": p.part, "of": p.of,
-                                   "label": format!("reducing context, part {}/{}", p.part, p.of)});
-                let lease = self.lease;
-                let written: Result<(), SliceError> = fenced!(self.env.pool, lease, |conn| {
-                    events::append(conn, lease.thread_id, events::kind::COMPACTION, &event).await?;
-                    Ok(())
-                });
-                written.map_err(|e| CompactionError::Model(e.to_string()))?;
+            if let Some(p) = self.progress.lock().expect("progress lock").take() {
+                let payload = json!({"runId": self.run_id, "pass": p.pass, "part": p.part, "of": p.of,
+                                     "label": format!("reducing context, part {}/{}", p.part, p.of)});
+                self.events.lock().expect("events lock").push(JournalEvent { kind: "compaction", payload });
             }
             let request = ChatRequest {
                 messages: vec![
@@ -52,7 +49,6 @@ impl Summarizer for ModelSummarizer<'_> {
                 temperature: None,
             };
             let turn = self
-                .env
                 .provider
                 .stream_chat(self.model, &request, &mut |_| {})
                 .await
@@ -65,77 +61,86 @@ impl Summarizer for ModelSummarizer<'_> {
     }
 }
 
-async fn run_compaction(
-    env: &SliceEnv,
-    model: &ModelConfig,
-    lease: &Lease,
-    context: &[ContextMessage],
-    settings: &Settings,
-) -> Result<compaction::Compacted, SliceError> {
-    let summarizer = ModelSummarizer { env, model, lease, progress: Mutex::new(None) };
+async fn run_compaction(slice: &mut Slice, model: &ModelConfig, context: &[ContextMessage], settings: &Settings) -> Result<compaction::Compacted, SliceError> {
+    let env = slice.env.clone();
+    let summarizer = ModelSummarizer {
+        provider: &env.provider,
+        model,
+        run_id: slice.lease.run_id,
+        progress: Mutex::new(None),
+        events: Mutex::new(Vec::new()),
+    };
     let slot = &summarizer.progress;
     let mut on_progress = |p: Progress| *slot.lock().expect("progress lock") = Some(p);
-    compaction::compact(context, settings, &summarizer, &mut on_progress)
-        .await
-        .map_err(|e| failed(e.code(), e.to_string()))
+    let control = slice.control.clone();
+    let result = tokio::select! {
+        result = compaction::compact(context, settings, &summarizer, &mut on_progress) => result,
+        _ = control.aborted() => return Err(SliceError::Aborted),
+    };
+    let events = std::mem::take(&mut *summarizer.events.lock().expect("events lock"));
+    if !events.is_empty() {
+        slice.commit(Commit { events, ..Commit::default() }).await?;
+    }
+    result.map_err(|e| failed(e.code(), e.to_string()))
 }
 
-/// Automatic compaction (SPEC §6 step 3): summarises the middle of `context`, writes the next
-/// snapshot version (fenced) and returns the new context: instructions + summary + tail.
+/// Automatic compaction (SPEC §6 step 3): summarises the middle of `context`, commits the next
+/// snapshot version (and the new context size) and returns the new context: instructions +
+/// summary + tail.
 pub async fn automatic(
-    env: &SliceEnv,
+    slice: &mut Slice,
     model: &ModelConfig,
-    lease: &Lease,
     context: &[ContextMessage],
-    previous: Option<&Snapshot>,
+    previous: Option<&SnapshotRef>,
     settings: &Settings,
-) -> Result<(Vec<ContextMessage>, Option<Snapshot>), SliceError> {
-    let compacted = run_compaction(env, model, lease, context, settings).await?;
-    let snapshot = fenced!(env.pool, lease, |conn| {
-        let snapshot = snapshots::insert(
-            conn,
-            lease.thread_id,
-            &compacted.summary,
-            compacted.summary_tokens as i32,
-            &compacted.covered,
-            previous.filter(|_| compacted.folded_summary),
-            Some(lease.run_id),
-        )
+    tool_tokens: i64,
+) -> Result<(Vec<ContextMessage>, Option<SnapshotRef>), SliceError> {
+    let compacted = run_compaction(slice, model, context, settings).await?;
+    let mut next = compacted.instructions.clone();
+    next.push(context::summary_message(&compacted.summary, compacted.summary_tokens as i32));
+    next.extend(compacted.tail.iter().cloned());
+    let folded = previous.filter(|_| compacted.folded_summary);
+    let event = json!({"runId": slice.lease.run_id, "done": true, "passes": compacted.passes, "calls": compacted.calls,
+                       "inputTokens": compacted.input_tokens, "summaryTokens": compacted.summary_tokens});
+    let size = ContextSize { tokens: context::messages_tokens(&next) + tool_tokens, limit: model.context_tokens.map(|t| t as i64) };
+    let done = slice
+        .commit(Commit {
+            snapshot: Some(SnapshotWrite {
+                summary: compacted.summary.clone(),
+                token_estimate: compacted.summary_tokens as i32,
+                identities: compacted.covered.clone(),
+                previous: folded.map(|p| Coverage { from_sequence: p.from_sequence, to_sequence: p.to_sequence }),
+                event,
+            }),
+            context: Some(size),
+            ..Commit::default()
+        })
         .await?;
-        let event = json!({"runId": lease.run_id, "done": true, "passes": compacted.passes, "calls": compacted.calls,
-                           "inputTokens": compacted.input_tokens, "summaryTokens": compacted.summary_tokens,
-                           "snapshotVersion": snapshot.as_ref().map(|s| s.version)});
-        events::append(conn, lease.thread_id, events::kind::COMPACTION, &event).await?;
-        Ok(snapshot)
-    })?;
     tracing::info!(passes = compacted.passes, calls = compacted.calls, input_tokens = compacted.input_tokens,
                    summary_tokens = compacted.summary_tokens, "context compacted");
-    let mut next = compacted.instructions;
-    next.push(context::summary_message(&compacted.summary));
-    next.extend(compacted.tail);
-    Ok((next, snapshot))
+    let snapshot = match (done.snapshot_version, done.snapshot_from, done.snapshot_to) {
+        (Some(version), Some(from_sequence), Some(to_sequence)) => Some(SnapshotRef {
+            version,
+            summary: compacted.summary.clone(),
+            from_sequence,
+            to_sequence,
+            token_estimate: compacted.summary_tokens as i32,
+        }),
+        _ => None,
+    };
+    Ok((next, snapshot.or_else(|| previous.cloned())))
 }
 
 /// A manual compaction run (SPEC §8): summarises the source thread's context and writes the
 /// child thread's history — instructions, the summary as a plain system message (the internal
 /// marker never reaches a child thread), the verbatim tail — then completes the run. The source
 /// thread is never modified.
-pub async fn manual(
-    env: &SliceEnv,
-    run: &Run,
-    lease: &Lease,
-    model: &ModelConfig,
-    state: &mut SliceState,
-) -> Result<(), SliceError> {
+pub async fn manual(slice: &mut Slice, run: &Run, model: &ModelConfig) -> Result<SliceEnd, SliceError> {
     let source = run.source_thread_id.ok_or_else(|| failed("compaction_failed", "the compaction run has no source thread"))?;
-    let (context, metadata) = {
-        let mut conn = env.pool.get().await?;
-        let (context, _) = context::load(&mut conn, source).await?;
-        let thread = agentloop_shared::threads::get(&mut conn, source).await?;
-        (context, thread.metadata)
-    };
+    let (loaded, metadata) = context::read(&slice.env.store, source).await?;
+    let (context, _) = context::from_loaded(&loaded);
     let settings = Settings::from_metadata(&metadata, model.context_tokens);
-    let (instructions, summary, tail) = match run_compaction(env, model, lease, &context, &settings).await {
+    let (instructions, summary, tail) = match run_compaction(slice, model, &context, &settings).await {
         Ok(c) => (c.instructions, Some(c.summary), c.tail),
         Err(SliceError::Failed { code, .. }) if code == "compaction_nothing_to_compact" => {
             let split = compaction::split(&context, settings.recent_messages);
@@ -159,12 +164,6 @@ pub async fn manual(
     for m in &mut history {
         m.token_estimate = tokens::estimate_message(&m.content, m.tool_calls.as_ref()) as i32;
     }
-    let identities = vec![None; history.len()];
-    let provenance = Provenance { run_id: Some(run.id), step_id: state.step_id };
-    let (usage, step_id) = (state.usage, state.step_id);
-    fenced!(env.pool, lease, |conn| {
-        messages::append(conn, lease.thread_id, provenance, &history, &identities).await?;
-        lease::end_slice(conn, lease, step_id, usage, &SliceEnd::Completed).await?;
-        Ok(())
-    })
+    slice.commit(Commit { messages: history, end: Some(SliceEnd::Completed), ..Commit::default() }).await?;
+    Ok(SliceEnd::Completed)
 }

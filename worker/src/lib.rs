@@ -1,32 +1,21 @@
 //! agentloop worker: claims runs under expiring leases and executes slices (SPEC §5-§6).
 //!
-//! [`runner`] is the claim loop (concurrency, wake-ups, shutdown); [`slice`] is one slice.
+//! [`runner`] is the claim loop (concurrency, wake-ups, shutdown); [`control`] the per-slice
+//! abort signal and the one lease keeper; [`slice`] is one slice, [`tool_calls`] its tool
+//! calls, [`compact`] compaction, [`streaming`] the one stream flusher of the process.
 
-/// Runs `$body` in one transaction that first takes `$lease`'s fence (SPEC §5 "Fencing");
-/// evaluates to `Result<T, SliceError>`.
-macro_rules! fenced {
-    ($pool:expr, $lease:expr, |$conn:ident| $body:block) => {{
-        async {
-            use diesel_async::AsyncConnection as _;
-            let mut pooled = $pool.get().await.map_err($crate::slice::SliceError::from)?;
-            (*pooled)
-                .transaction(async |$conn: &mut diesel_async::AsyncPgConnection| -> Result<_, agentloop_shared::scheduler::lease::FencedError> {
-                    $lease.fence($conn).await?;
-                    $body
-                })
-                .await
-                .map_err($crate::slice::SliceError::from)
-        }
-        .await
-    }};
-}
-
+pub mod client_tools;
 pub mod compact;
+pub mod control;
+pub mod hidden_threads;
 pub mod maintenance;
 pub mod runner;
 pub mod slice;
+pub mod streaming;
 pub mod test_tools;
+pub mod title;
 pub mod tool_calls;
+pub mod webhooks;
 
 use std::time::Duration;
 
@@ -64,7 +53,8 @@ pub struct WorkerConfig {
     #[arg(long, env = "WORKER_TOOL_CALL_LIMIT", default_value_t = 25, value_parser = clap::value_parser!(u32).range(1..))]
     pub tool_call_limit: u32,
 
-    /// Recoveries (claims of a run whose lease expired) after which the run fails `abandoned`.
+    /// Consecutive attempts of a run that ended by a fault without progress (a lease that
+    /// expired, a hand-back after a transient database fault) after which it fails `abandoned`.
     #[arg(long, env = "WORKER_MAX_RECOVERIES", default_value_t = 5)]
     pub max_recoveries: i32,
 
@@ -76,7 +66,8 @@ pub struct WorkerConfig {
     #[arg(long, env = "WORKER_SHUTDOWN_GRACE_MS", default_value = "10000", value_parser = parse_millis)]
     pub shutdown_grace: Duration,
 
-    /// Minimum interval in ms between writes of the streaming partial answer.
+    /// Interval in ms between flushes of the streaming partial answers (one transaction for all
+    /// of the process's streams).
     #[arg(long, env = "WORKER_STREAM_THROTTLE_MS", default_value = "250", value_parser = parse_millis)]
     pub stream_throttle: Duration,
 
@@ -85,7 +76,8 @@ pub struct WorkerConfig {
     #[arg(long, env = "WORKER_METRICS_LISTEN")]
     pub metrics_listen: Option<std::net::SocketAddr>,
 
-    /// Interval in ms between maintenance passes (receipt and journal pruning).
+    /// Interval in ms between maintenance passes (retention of receipts, journal, steps and
+    /// deleted threads, in bounded batches).
     #[arg(long, env = "MAINTENANCE_INTERVAL_MS", default_value = "600000", value_parser = parse_millis)]
     pub maintenance_interval: Duration,
 
@@ -96,6 +88,15 @@ pub struct WorkerConfig {
     /// Journal events kept per thread; a resume below them gets a `reset` (SPEC §10).
     #[arg(long, env = "JOURNAL_RETENTION_EVENTS", default_value_t = 2000)]
     pub journal_retention_events: i64,
+
+    /// Hours the step rows (`run_steps`) of a run that ended are kept; the run row, its usage
+    /// and its messages stay.
+    #[arg(long, env = "RUN_STEP_RETENTION_HOURS", default_value_t = 720)]
+    pub run_step_retention_hours: i64,
+
+    /// Hours a soft-deleted thread is kept before it is deleted with everything under it.
+    #[arg(long, env = "DELETED_THREAD_RETENTION_HOURS", default_value_t = 168)]
+    pub deleted_thread_retention_hours: i64,
 
     /// Upper bound of the built-in `sleep` tool, in seconds.
     #[arg(long, env = "TOOL_MAX_SLEEP_SECONDS", default_value_t = 30)]
@@ -110,6 +111,40 @@ pub struct WorkerConfig {
     /// `expired` and the run continues (default 24 h).
     #[arg(long, env = "APPROVAL_TIMEOUT_MS", default_value = "86400000", value_parser = parse_millis)]
     pub approval_timeout: Duration,
+
+    /// Interval in ms of the sweep of hidden threads whose OpenAI-endpoint request was abandoned
+    /// (its api process died): their runs are cancelled and the threads deleted.
+    #[arg(long, env = "HIDDEN_THREAD_SWEEP_MS", default_value = "10000", value_parser = parse_millis)]
+    pub hidden_thread_sweep: Duration,
+
+    #[command(flatten)]
+    pub webhooks: agentloop_shared::webhooks::WebhookArgs,
+
+    /// Webhook deliveries this worker sends at once.
+    #[arg(long, env = "WEBHOOK_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub webhook_concurrency: u32,
+
+    /// Attempts of a webhook delivery before it is marked `failed`.
+    #[arg(long, env = "WEBHOOK_MAX_ATTEMPTS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    pub webhook_max_attempts: u32,
+
+    /// Delay in ms before the first retry of a webhook delivery; doubled after each failed
+    /// attempt (with jitter: a random point in the upper half), up to `WEBHOOK_RETRY_MAX_MS`.
+    #[arg(long, env = "WEBHOOK_RETRY_BASE_MS", default_value = "10000", value_parser = parse_millis)]
+    pub webhook_retry_base: Duration,
+
+    /// Longest delay in ms between two attempts of a webhook delivery.
+    #[arg(long, env = "WEBHOOK_RETRY_MAX_MS", default_value = "3600000", value_parser = parse_millis)]
+    pub webhook_retry_max: Duration,
+
+    /// Bound in ms of one webhook attempt (connect, send, answer); a delivery is leased for this
+    /// plus 5 s, after which another worker sends it again.
+    #[arg(long, env = "WEBHOOK_TIMEOUT_MS", default_value = "10000", value_parser = parse_millis)]
+    pub webhook_timeout: Duration,
+
+    /// Hours a delivered or failed webhook delivery (and its attempts) is kept.
+    #[arg(long, env = "WEBHOOK_DELIVERY_RETENTION_HOURS", default_value_t = 168)]
+    pub webhook_delivery_retention_hours: i64,
 
     /// TESTS ONLY: also register the non-idempotent `record_effect` tool, which counts its
     /// executions in the table `agentloop_test_effects` of this database.

@@ -4,25 +4,32 @@
 //! another worker's run, and on a slow safety poll; it issues no other queue query. A claim pass
 //! runs when a `queued:` notification arrives, when a slot frees, when the listener resyncs, or
 //! when a timer fires; it claims at most the number of free slots in one statement.
+//!
+//! Connections: the step pool (`DB_POOL_SIZE`, shared by every slice: waiting for a connection
+//! is back-pressure, never a failed run), one dedicated connection each for the lease keeper and
+//! the stream flusher, the LISTEN connection, and a two-connection pool for maintenance —
+//! whatever the concurrency.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use agentloop_shared::db::{self, PgPool};
+use agentloop_shared::db;
 use agentloop_shared::events::RUNS_CHANNEL;
 use agentloop_shared::provider::client::ProviderClient;
 use agentloop_shared::scheduler::listener::{self, ListenerEvent};
-use agentloop_shared::scheduler::{self as sched, claim::next_lease_expiry_ms};
-use agentloop_shared::approvals;
+use agentloop_shared::scheduler::{self, step};
+use agentloop_shared::store::{PoolSettings, Store, Timing};
 use agentloop_shared::tools::{BuiltinToolConfig, ToolRegistry, ToolsConfig};
 use anyhow::Context;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use uuid::Uuid;
 
 use crate::WorkerConfig;
-use crate::slice::{self, AbortReason, SliceControl, SliceEnv};
+use crate::control::{self, AbortReason, InFlight, SliceControl};
+use crate::slice::{self, SliceEnv};
+use crate::streaming::StreamHub;
 
 /// Runs the worker until `shutdown` fires, then hands in-flight runs back within the grace
 /// period.
@@ -35,12 +42,21 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     if config.db.migrate_on_start {
         db::run_migrations(&config.db.database_url).await.context("migrating")?;
     }
-    let pool = db::build_pool(
-        &config.db.database_url,
-        config.db.db_pool_size.max(config.concurrency as usize * 2 + 2),
-        &format!("agentloop-worker {worker_id}"),
-        Duration::from_secs(30),
+    let application_name = format!("agentloop-worker {worker_id}");
+    let timing = Timing { call_timeout: (config.lease / 3).max(Duration::from_secs(1)), retry_for: config.lease / 2 };
+    let settings = PoolSettings {
+        database_url: config.db.database_url.clone(),
+        application_name: application_name.clone(),
+        statement_timeout: Duration::from_secs(30),
+        max_size: config.db.db_pool_size,
+        wait_timeout: timing.call_timeout,
+    };
+    let store = Store::new(&settings, timing)?;
+    let keeper_store = Store::new(
+        &PoolSettings { max_size: 1, statement_timeout: config.renew, ..settings.clone() },
+        Timing { call_timeout: config.renew, retry_for: config.renew },
     )?;
+    let maintenance_pool = db::build_pool(&config.db.database_url, 2, &application_name, Duration::from_secs(30))?;
     let catalog = Arc::new(config.models.catalog().context("loading the model catalog")?);
     let mut registry = ToolRegistry::builtin(&BuiltinToolConfig {
         max_sleep_seconds: config.max_sleep_seconds,
@@ -50,45 +66,113 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         registry.configure(&ToolsConfig::load(path).context("loading TOOLS_FILE")?);
     }
     if config.test_tools {
-        tracing::warn!("AGENTLOOP_TEST_TOOLS is on: the test tool record_effect is offered");
-        crate::test_tools::RecordEffect::install(&pool).await;
-        registry.register(Arc::new(crate::test_tools::RecordEffect { pool: pool.clone() }));
+        tracing::warn!("AGENTLOOP_TEST_TOOLS is on: the test tools record_effect and crash_slice are offered");
+        crate::test_tools::RecordEffect::install(&maintenance_pool).await;
+        registry.register(Arc::new(crate::test_tools::RecordEffect { pool: maintenance_pool.clone() }));
+        registry.register(Arc::new(crate::test_tools::CrashSlice));
     }
     for (server, error) in registry.connect_mcp().await {
         tracing::warn!(mcp.server = %server, %error, "MCP server unavailable at start-up; retried when its tools are called");
     }
-    let tools = Arc::new(registry);
+    let stop = CancellationToken::new();
+    let streams = StreamHub::new();
+    // The flusher has its own connection: streaming must not queue behind slice starts and
+    // checkpoints waiting for the step pool (a thousand slices starting at once).
+    let stream_store = Store::new(
+        &PoolSettings { max_size: 1, ..settings.clone() },
+        Timing { call_timeout: timing.call_timeout, retry_for: config.stream_throttle },
+    )?;
+    let _flusher = AbortOnDropHandle::new(tokio::spawn(streams.clone().run(stream_store, worker_id.clone(), config.stream_throttle, stop.clone())));
     let env = Arc::new(SliceEnv {
-        pool: pool.clone(),
+        store: store.clone(),
         provider: ProviderClient::new(),
         catalog,
-        tools,
+        tools: Arc::new(registry),
+        streams,
         lease: config.lease,
         renew: config.renew,
         tool_call_limit: config.tool_call_limit,
         max_recoveries: config.max_recoveries,
-        stream_throttle: config.stream_throttle,
         approval_timeout: config.approval_timeout,
+        schema_tokens_cache: std::sync::Mutex::new(None),
+        titles: crate::title::Titles::default(),
     });
     agentloop_shared::tokens::warm_up().await;
-    tracing::info!(worker.id = %worker_id, concurrency = config.concurrency, "worker started");
+    tracing::info!(worker.id = %worker_id, concurrency = config.concurrency, pool = config.db.db_pool_size, "worker started");
 
-    let listener_stop = CancellationToken::new();
+    let in_flight: InFlight = Arc::default();
+    let _keeper = AbortOnDropHandle::new(tokio::spawn(control::keeper(
+        keeper_store,
+        worker_id.clone(),
+        config.lease,
+        config.renew,
+        in_flight.clone(),
+        stop.clone(),
+    )));
     tokio::spawn(crate::maintenance::run(
-        pool.clone(),
+        maintenance_pool.clone(),
         crate::maintenance::Retention {
             interval: config.maintenance_interval,
             receipt_hours: config.receipt_retention_hours,
             journal_events: config.journal_retention_events,
+            step_hours: config.run_step_retention_hours,
+            deleted_thread_hours: config.deleted_thread_retention_hours,
         },
-        listener_stop.clone(),
+        stop.clone(),
     ));
-    let mut notifications =
-        listener::spawn(config.db.database_url.clone(), "agentloop-worker-listener", vec![RUNS_CHANNEL], Duration::from_secs(5), listener_stop.clone());
-    let in_flight: Arc<Mutex<HashMap<Uuid, SliceControl>>> = Arc::default();
+    if config.metrics_listen.is_some() {
+        tokio::spawn(crate::maintenance::sample(maintenance_pool.clone(), stop.clone()));
+    }
+    tokio::spawn(crate::hidden_threads::run(store.clone(), config.hidden_thread_sweep, stop.clone()));
+    // Webhook deliveries: woken by the outbox trigger's notification on the same listener.
+    let webhook_wake = Arc::new(tokio::sync::Notify::new());
+    let secrets_key = config.webhooks.secrets_key().context("WEBHOOK_SECRETS_KEY")?.map(Arc::new);
+    let webhook_stop = CancellationToken::new();
+    let webhook_dispatcher = tokio::spawn(crate::webhooks::run(
+        store.clone(),
+        worker_id.clone(),
+        crate::webhooks::Settings {
+            concurrency: config.webhook_concurrency as usize,
+            max_attempts: config.webhook_max_attempts,
+            retry_base: config.webhook_retry_base,
+            retry_max: config.webhook_retry_max,
+            timeout: config.webhook_timeout,
+            allow_private: config.webhooks.webhook_allow_private_targets,
+            safety_poll: config.safety_poll,
+            shutdown_grace: config.shutdown_grace,
+        },
+        secrets_key,
+        webhook_wake.clone(),
+        webhook_stop.clone(),
+    ));
+    {
+        let (store, stop, interval, hours) =
+            (store.clone(), stop.clone(), config.maintenance_interval, config.webhook_delivery_retention_hours);
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(interval) => {}
+                }
+                let deleted = crate::webhooks::prune(&store, hours, &stop).await;
+                if deleted > 0 {
+                    tracing::info!(deleted, "old webhook deliveries pruned");
+                }
+            }
+        });
+    }
+    let mut notifications = listener::spawn(
+        config.db.database_url.clone(),
+        "agentloop-worker-listener",
+        vec![RUNS_CHANNEL, agentloop_shared::webhooks::WEBHOOKS_CHANNEL],
+        Duration::from_secs(5),
+        stop.clone(),
+    );
     let mut slices = JoinSet::new();
     let slots = config.concurrency as usize;
     let mut pass_wanted = true;
+    // After a failed claim pass its answer may have been lost: the next pass re-adopts.
+    let mut adopt_next = false;
     let mut next_timer = config.safety_poll;
     // Approval deadlines (SPEC: undecided approvals expire): swept at start-up, when a run parks
     // (`approval:<id>` notification), and when the earliest known deadline passes.
@@ -98,7 +182,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     while !shutdown.is_cancelled() {
         if approvals_check {
             approvals_check = false;
-            match sweep_approvals(&pool).await {
+            match step::expire_approvals(&store, 100).await {
                 Ok((expired, next_ms)) => {
                     if expired > 0 {
                         tracing::info!(expired, "tool approvals expired");
@@ -115,20 +199,24 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         }
         if pass_wanted && slices.len() < slots {
             let free = slots - slices.len();
-            match claim_pass(&pool, &worker_id, free, config.lease).await {
-                Ok((claimed, expiry, skipped)) => {
-                    pass_wanted = claimed.len() == free;
-                    next_timer = expiry.map_or(config.safety_poll, |ms| {
+            let inflight: Vec<Uuid> = in_flight.lock().expect("in-flight lock").keys().copied().collect();
+            let started = Instant::now();
+            match scheduler::claim(&store, &worker_id, free, config.lease, &inflight, adopt_next).await {
+                Ok(claimed) => {
+                    adopt_next = false;
+                    metrics::histogram!("agentloop_claim_duration_seconds").record(started.elapsed().as_secs_f64());
+                    pass_wanted = claimed.runs.len() == free;
+                    next_timer = claimed.next_expiry_ms.map_or(config.safety_poll, |ms| {
                         Duration::from_millis(ms.max(0) as u64 + 50).min(config.safety_poll)
                     });
-                    if skipped {
+                    if claimed.queued_left {
                         // A queued run was locked by someone else's transaction: look again soon.
                         next_timer = next_timer.min(Duration::from_millis(100));
                     }
-                    for run in claimed {
+                    for run in claimed.runs {
                         tracing::info!(run.id = %run.id, run.attempt = run.attempts, "claimed");
                         metrics::counter!("agentloop_claims_total").increment(1);
-                        let control = SliceControl::default();
+                        let control = SliceControl::new(run.lease_epoch);
                         in_flight.lock().expect("in-flight lock").insert(run.id, control.clone());
                         let (env, in_flight) = (env.clone(), in_flight.clone());
                         slices.spawn(async move {
@@ -139,6 +227,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                     }
                 }
                 Err(error) => {
+                    adopt_next = true;
                     tracing::warn!(%error, "claim pass failed; retrying");
                     next_timer = Duration::from_secs(1);
                 }
@@ -148,25 +237,42 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         tokio::select! {
             _ = shutdown.cancelled() => break,
             event = notifications.recv() => match event {
-                Some(ListenerEvent::Notification { payload, .. }) => match payload.split_once(':') {
-                    Some(("cancel", id)) => {
-                        if let Some(control) = Uuid::parse_str(id).ok().and_then(|id| in_flight.lock().expect("in-flight lock").get(&id).cloned()) {
-                            control.abort(AbortReason::Cancel);
+                Some(ListenerEvent::Notification { channel, .. }) if channel == agentloop_shared::webhooks::WEBHOOKS_CHANNEL => {
+                    webhook_wake.notify_one();
+                }
+                Some(ListenerEvent::Notification { payload, .. }) => {
+                    for entry in payload.split(',') {
+                        match entry.split_once(':') {
+                            Some(("cancel", id)) => {
+                                let control = Uuid::parse_str(id).ok().and_then(|id| in_flight.lock().expect("in-flight lock").get(&id).cloned());
+                                if let Some(control) = control {
+                                    control.abort(AbortReason::Cancel);
+                                }
+                            }
+                            Some(("approval", _)) => approvals_check = true,
+                            _ => pass_wanted = true,
                         }
                     }
-                    Some(("approval", _)) => approvals_check = true,
-                    _ => pass_wanted = true,
-                },
-                Some(ListenerEvent::Resync) => pass_wanted = true,
+                }
+                Some(ListenerEvent::Resync) => {
+                    pass_wanted = true;
+                    webhook_wake.notify_one();
+                }
                 None => anyhow::bail!("listener task ended"),
             },
-            Some(_) = slices.join_next(), if !slices.is_empty() => pass_wanted = true,
+            Some(joined) = slices.join_next(), if !slices.is_empty() => {
+                if let Err(error) = joined {
+                    tracing::error!(%error, "a slice task died");
+                }
+                pass_wanted = true;
+            }
             _ = tokio::time::sleep(next_timer) => pass_wanted = true,
             _ = tokio::time::sleep(approval_wait), if approval_deadline.is_some() => approvals_check = true,
         }
     }
 
     tracing::info!(in_flight = slices.len(), "shutting down: handing runs back");
+    webhook_stop.cancel();
     for control in in_flight.lock().expect("in-flight lock").values() {
         control.abort(AbortReason::Shutdown);
     }
@@ -177,31 +283,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     if drained.is_err() {
         tracing::warn!("grace period elapsed with slices still running; their leases will expire");
     }
-    listener_stop.cancel();
+    // Deliveries in flight had the same grace (they run concurrently with the hand-back).
+    if tokio::time::timeout(Duration::from_secs(1), webhook_dispatcher).await.is_err() {
+        tracing::warn!("webhook deliveries still in flight at exit; they are sent again after their lease");
+    }
+    stop.cancel();
     Ok(())
-}
-
-/// The approval expiry sweep ([`approvals::expire_due`], one index probe when nothing is due)
-/// and the earliest pending deadline in ms from now.
-async fn sweep_approvals(pool: &PgPool) -> anyhow::Result<(usize, Option<i64>)> {
-    let mut conn = pool.get().await?;
-    let expired = approvals::expire_due(&mut conn, 100).await?;
-    let next = approvals::next_deadline_ms(&mut conn).await?;
-    Ok((expired, next))
-}
-
-/// One claim pass: claims up to `free` runs, then reads the earliest lease expiry of runs this
-/// worker does not hold (the recovery timer) and whether a queued run was left behind (skipped
-/// while locked by another transaction).
-async fn claim_pass(
-    pool: &PgPool,
-    worker_id: &str,
-    free: usize,
-    lease: Duration,
-) -> anyhow::Result<(Vec<agentloop_shared::runs::Run>, Option<i64>, bool)> {
-    let mut conn = pool.get().await?;
-    let claimed = sched::claim(&mut conn, worker_id, free as i64, lease).await?;
-    let expiry = next_lease_expiry_ms(&mut conn, worker_id).await?;
-    let skipped = claimed.len() < free && sched::claim::any_queued(&mut conn).await?;
-    Ok((claimed, expiry, skipped))
 }

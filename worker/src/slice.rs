@@ -1,118 +1,106 @@
-//! One slice of a run (SPEC §6): step row, context, streamed model call, tools, checkpoint,
-//! and the run transition at its end — every write fenced by the lease (SPEC §5 "Fencing").
+//! One slice of a run (SPEC §6): step row and context, streamed model call, tools, checkpoints,
+//! and the run transition at its end. Every durable effect is one [`Commit`] value applied by
+//! one fenced step function (`agentloop_shared::scheduler::step`); nothing here opens a
+//! transaction or holds a connection across a model or tool call.
 //!
-//! A slice is aborted at once (dropping the in-flight model request) when its [`SliceControl`]
-//! fires: on cancellation (the run ends `cancelled`), shutdown (the run goes back to `queued`),
-//! or lease loss (nothing more is written: the run belongs to someone else now).
+//! Faults, classified once (`agentloop_shared::store::fault`): transient database faults are
+//! retried inside each step call while the lease lasts, then the run is handed back
+//! ([`SliceEnd::Handback`], no step consumed, `faults + 1`); deterministic ones and panics fail
+//! the run with `internal_error`; a lost lease stops the slice without writing.
+//!
+//! Aborts ([`SliceControl`]: cancellation, shutdown, lease loss) are honoured at safe points:
+//! before and during a model call (the request is dropped) and during a tool call — never in
+//! the middle of a commit. A cancelled stream's partial answer is committed as an assistant
+//! message marked `stopped`, in the transaction that ends the run.
 
-use std::sync::{Arc, Mutex};
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentloop_shared::context::{self, ContextMessage};
-use agentloop_shared::db::PgPool;
-use agentloop_shared::messages::{self, NewMessage, Provenance, role};
+use agentloop_shared::messages::{NewMessage, role};
 use agentloop_shared::provider::catalog::{ModelCatalog, ModelConfig};
 use agentloop_shared::provider::client::{ChatRequest, ProviderClient, StreamDelta};
 use agentloop_shared::provider::projection;
 use agentloop_shared::runs::Run;
-use agentloop_shared::scheduler::lease::{self, FencedError, SliceEnd, SliceUsage};
-use agentloop_shared::scheduler::{Lease, LeaseLost};
+use agentloop_shared::scheduler::step::{self, ContextSize, Started};
+use agentloop_shared::scheduler::{Commit, Committed, Lease, SliceEnd, Usage};
+use agentloop_shared::store::{Store, StoreError};
 use agentloop_shared::tools::ToolRegistry;
-use agentloop_shared::{compaction, events, threads};
-use diesel_async::AsyncConnection;
+use agentloop_shared::compaction;
+use futures_util::FutureExt;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::control::{AbortReason, SliceControl};
+use crate::streaming::{Partial, StreamHub};
 
 /// Everything a slice needs, shared by all slices of a worker process.
 pub struct SliceEnv {
-    pub pool: PgPool,
+    pub store: Store,
     pub provider: ProviderClient,
     pub catalog: Arc<ModelCatalog>,
     pub tools: Arc<ToolRegistry>,
+    pub streams: Arc<StreamHub>,
     /// Lease duration.
     pub lease: Duration,
     /// Renewal interval (< lease / 2).
     pub renew: Duration,
     /// Tool calls per slice before the run is requeued.
     pub tool_call_limit: u32,
-    /// Recoveries after which a run fails `abandoned`.
+    /// Consecutive faulted attempts after which a run fails `abandoned`.
     pub max_recoveries: i32,
-    /// Minimum interval between streaming-column writes.
-    pub stream_throttle: Duration,
     /// Decision deadline of a tool approval (SPEC: 24 h by default).
     pub approval_timeout: Duration,
+    /// Tokens of the last tool-schema set seen (tokenizing schemas costs milliseconds; the set
+    /// changes only when MCP servers come and go).
+    pub schema_tokens_cache: std::sync::Mutex<Option<(String, i64)>>,
+    /// Automatic titles after a thread's first answer (bounded background tasks).
+    pub titles: crate::title::Titles,
 }
 
-/// Why a slice was aborted (first reason wins).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AbortReason {
-    /// Cancellation requested: end the run `cancelled`.
-    Cancel,
-    /// Worker shutdown: hand the run back (`queued`).
-    Shutdown,
-    /// The lease is gone (or could not be renewed in time): write nothing more.
-    LeaseLost,
-}
-
-/// Handle to abort a running slice.
-#[derive(Clone, Default)]
-pub struct SliceControl {
-    token: CancellationToken,
-    reason: Arc<Mutex<Option<AbortReason>>>,
-}
-
-impl SliceControl {
-    /// Aborts the slice for `reason` (ignored if it was already aborted for another reason).
-    pub fn abort(&self, reason: AbortReason) {
-        let mut current = self.reason.lock().expect("abort reason lock");
-        if current.is_none() {
-            *current = Some(reason);
+impl SliceEnv {
+    /// Tokens of `specs`, cached while the set is unchanged.
+    pub fn schema_tokens(&self, specs: &[serde_json::Value]) -> i64 {
+        let key = serde_json::Value::Array(specs.to_vec()).to_string();
+        let mut cache = self.schema_tokens_cache.lock().expect("schema tokens cache");
+        if let Some((k, n)) = cache.as_ref() && *k == key {
+            return *n;
         }
-        self.token.cancel();
-    }
-
-    fn reason(&self) -> Option<AbortReason> {
-        *self.reason.lock().expect("abort reason lock")
-    }
-
-    /// A token cancelled when the slice is aborted (handed to tools).
-    pub(crate) fn cancel_token(&self) -> CancellationToken {
-        self.token.child_token()
+        let n = context::schema_tokens(specs);
+        *cache = Some((key, n));
+        n
     }
 }
 
 /// Errors that end a slice.
 #[derive(Debug, thiserror::Error)]
 pub enum SliceError {
+    /// Aborted at a safe point (see [`SliceControl::reason`]).
     #[error("aborted")]
     Aborted,
+    /// The lease is gone: write nothing more.
     #[error("lease lost")]
     LeaseLost,
+    /// The run fails with a stable code.
     #[error("{code}: {message}")]
     Failed { code: String, message: String },
-    #[error("database: {0}")]
-    Db(String),
+    /// The database stayed unavailable while the lease lasted: hand the run back.
+    #[error("transient database fault: {0}")]
+    Transient(String),
+    /// A deterministic database or programming error: fail the run (`internal_error`).
+    #[error("internal: {0}")]
+    Internal(String),
 }
 
-impl From<FencedError> for SliceError {
-    fn from(e: FencedError) -> Self {
+impl From<StoreError> for SliceError {
+    fn from(e: StoreError) -> Self {
         match e {
-            FencedError::LeaseLost(_) => SliceError::LeaseLost,
-            FencedError::Query(q) => SliceError::Db(q.to_string()),
+            StoreError::Unavailable(m) | StoreError::OutcomeUnknown(m) => SliceError::Transient(m),
+            StoreError::Deterministic { sqlstate, message } => SliceError::Internal(format!("{sqlstate}: {message}")),
+            StoreError::Refused { code, message, .. } => SliceError::Internal(format!("{code}: {message}")),
         }
-    }
-}
-
-impl From<diesel::result::Error> for SliceError {
-    fn from(e: diesel::result::Error) -> Self {
-        SliceError::Db(e.to_string())
-    }
-}
-
-impl From<diesel_async::pooled_connection::deadpool::PoolError> for SliceError {
-    fn from(e: diesel_async::pooled_connection::deadpool::PoolError) -> Self {
-        SliceError::Db(e.to_string())
     }
 }
 
@@ -120,94 +108,152 @@ pub(crate) fn failed(code: &str, message: impl Into<String>) -> SliceError {
     SliceError::Failed { code: code.into(), message: message.into() }
 }
 
-/// Mutable evidence of the slice, written at its end whatever way it ends.
-#[derive(Default)]
-pub struct SliceState {
+/// One slice in progress: the lease, the step row, usage not yet committed, and the partial
+/// answer of the model call in flight.
+pub struct Slice {
+    pub(crate) env: Arc<SliceEnv>,
+    pub(crate) lease: Lease,
+    pub(crate) control: SliceControl,
     pub(crate) step_id: Option<i64>,
-    pub(crate) usage: SliceUsage,
+    /// Usage since the last commit (committed as deltas).
+    pub(crate) usage: Usage,
+    /// The partial answer of the current model call (kept for a cancellation).
+    partial: Option<Arc<std::sync::Mutex<Partial>>>,
 }
 
-/// Executes one slice of the claimed `run` until it ends or `control` aborts it.
-pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl) {
-    let lease = Lease::of(&run);
-    let span = tracing::info_span!("slice", run.id = %run.id, thread.id = %run.thread_id, run.attempt = run.attempts, lease.epoch = run.lease_epoch);
-    async {
+impl Slice {
+    /// Commits `commit` (with the usage accumulated since the last commit). Deadline: the
+    /// lease as last confirmed. `LeaseLost` when the fence failed.
+    pub(crate) async fn commit(&mut self, mut commit: Commit) -> Result<Committed, SliceError> {
+        commit.usage = self.usage;
+        let ends = commit.end.is_some();
+        let deadline = self.control.confirmed() + self.env.lease.saturating_sub(self.env.renew / 2);
         let started = Instant::now();
-        let keeper = tokio::spawn(keep_lease(env.clone(), lease.clone(), control.clone()));
-        let mut state = SliceState::default();
-        let outcome = tokio::select! {
-            result = body(&env, &run, &lease, &control, &mut state) => result,
-            _ = control.token.cancelled() => Err(SliceError::Aborted),
+        let result = step::commit(&self.env.store, &self.lease, self.step_id, &commit, deadline).await;
+        metrics::histogram!("agentloop_commit_duration_seconds").record(started.elapsed().as_secs_f64());
+        match result? {
+            Some(done) => {
+                self.usage = Usage::default();
+                self.control.confirm();
+                if ends {
+                    self.control.end();
+                }
+                if done.cancel_requested && done.status == agentloop_shared::runs::status::RUNNING {
+                    self.control.abort(AbortReason::Cancel);
+                }
+                Ok(done)
+            }
+            None => Err(SliceError::LeaseLost),
+        }
+    }
+
+    /// `Err(Aborted)` when the slice was aborted (a safe point).
+    pub(crate) fn check_abort(&self) -> Result<(), SliceError> {
+        if self.control.reason().is_some() { Err(SliceError::Aborted) } else { Ok(()) }
+    }
+}
+
+/// Executes one slice of the claimed `run` until it ends or is aborted.
+pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl) {
+    let lease = Lease::of(&run, env.lease);
+    let span = tracing::info_span!("slice", run.id = %run.id, thread.id = %run.thread_id, run.attempt = run.attempts, lease.epoch = run.lease_epoch);
+    // The run's trace context (the api request that created it): this slice joins its trace.
+    agentloop_shared::telemetry::set_remote_parent(&span, run.traceparent.as_deref());
+    async move {
+        let started = Instant::now();
+        let mut slice = Slice { env: env.clone(), lease, control: control.clone(), step_id: None, usage: Usage::default(), partial: None };
+        let outcome = match AssertUnwindSafe(body(&mut slice, &run)).catch_unwind().await {
+            Ok(outcome) => outcome,
+            Err(panic) => {
+                let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+                tracing::error!(panic = what.as_deref().unwrap_or("?"), "slice panicked");
+                Err(SliceError::Internal(format!("panic: {}", what.unwrap_or_default())))
+            }
         };
-        keeper.abort();
+        let ended_cleanly = outcome.is_ok();
         let end = match outcome {
-            Ok(()) => None,
-            Err(SliceError::Aborted) => match control.reason().inspect(|reason| tracing::warn!(?reason, "slice aborted")) {
-                Some(AbortReason::Cancel) => Some(SliceEnd::Cancelled),
+            Ok(end) => {
+                tracing::info!(end = end.label(), "slice ended");
+                metrics::counter!("agentloop_slices_total", "end" => end.label()).increment(1);
+                None
+            }
+            Err(SliceError::Aborted) => match control.reason() {
+                Some(AbortReason::Cancel) => Some(SliceEnd::Cancelled { keep_streamed: false }),
                 Some(AbortReason::Shutdown) => Some(SliceEnd::Interrupted),
                 Some(AbortReason::LeaseLost) | None => None,
             },
-            Err(SliceError::LeaseLost) => {
-                tracing::warn!("lease lost; slice stops without writing");
-                None
-            }
+            Err(SliceError::LeaseLost) => None,
             Err(SliceError::Failed { code, message }) => {
                 tracing::warn!(error.code = %code, "run failed");
                 Some(SliceEnd::Failed { code, message })
             }
-            Err(SliceError::Db(error)) => {
-                // A statement that fails while the database still accepts the fenced end-of-slice
-                // write would fail again on every retry: end the run with an error instead of
-                // requeueing it into a hot loop. If the database is unreachable, this write fails
-                // too and the lease-expiry recovery (bounded by WORKER_MAX_RECOVERIES) takes over.
-                tracing::error!(%error, "database error in slice; failing the run");
-                Some(SliceEnd::Failed { code: "internal_error".into(), message: "a database error interrupted the run".into() })
+            Err(SliceError::Transient(error)) => {
+                tracing::warn!(%error, "database unavailable while the lease lasted; handing the run back");
+                Some(SliceEnd::Handback)
+            }
+            Err(SliceError::Internal(error)) => {
+                tracing::error!(%error, "internal error in slice; failing the run");
+                Some(SliceEnd::Failed { code: "internal_error".into(), message: "an internal error interrupted the run".into() })
             }
         };
-        let label = match (&end, control.reason()) {
-            (Some(SliceEnd::Completed), _) => "completed",
-            (Some(SliceEnd::Requeued), _) => "requeued",
-            (Some(SliceEnd::Interrupted), _) => "interrupted",
-            (Some(SliceEnd::Failed { .. }), _) => "failed",
-            (Some(SliceEnd::Cancelled), _) => "cancelled",
-            (Some(SliceEnd::WaitingApproval), _) => "waiting_approval",
-            (Some(SliceEnd::Blocked { .. }), _) => "blocked",
-            (None, _) => "lease_lost",
-        };
-        metrics::counter!("agentloop_slices_total", "end" => label).increment(1);
-        metrics::histogram!("agentloop_slice_duration_seconds").record(started.elapsed().as_secs_f64());
-        if label == "lease_lost" {
-            metrics::counter!("agentloop_lease_lost_total").increment(1);
-        }
         if let Some(end) = end {
-            if let Err(error) = write_end(&env.pool, &lease, &state, &end).await {
-                tracing::warn!(%error, "could not record the slice end; the lease will expire and the run be recovered");
+            let label = end.label();
+            let mut commit = Commit { end: Some(end), ..Commit::default() };
+            if label == "cancelled" {
+                match slice.stopped_partial() {
+                    Some(partial) => commit.messages.push(partial),
+                    // Nothing streamed here: keep what an earlier attempt streamed, if anything.
+                    None => commit.end = Some(SliceEnd::Cancelled { keep_streamed: true }),
+                }
             }
+            match slice.commit(commit).await {
+                Ok(done) => {
+                    tracing::info!(end = label, status = %done.status, "slice ended");
+                    metrics::counter!("agentloop_slices_total", "end" => label).increment(1);
+                }
+                Err(SliceError::LeaseLost) => {
+                    tracing::warn!(end = label, "lease lost before the slice end was written");
+                    metrics::counter!("agentloop_slices_total", "end" => "lease_lost").increment(1);
+                }
+                Err(error) => {
+                    tracing::warn!(%error, end = label, "could not record the slice end; the lease will expire and the run be recovered");
+                    metrics::counter!("agentloop_slices_total", "end" => "unrecorded").increment(1);
+                }
+            }
+        } else if !ended_cleanly {
+            metrics::counter!("agentloop_slices_total", "end" => "lease_lost").increment(1);
         }
-        tracing::info!(duration_ms = started.elapsed().as_millis() as u64, "slice ended");
+        metrics::histogram!("agentloop_slice_duration_seconds").record(started.elapsed().as_secs_f64());
+        tracing::debug!(duration_ms = started.elapsed().as_millis() as u64, "slice done");
     }
     .instrument(span)
     .await
 }
 
-async fn write_end(pool: &PgPool, lease: &Lease, state: &SliceState, end: &SliceEnd) -> Result<(), SliceError> {
-    fenced!(pool, lease, |conn| {
-        lease::end_slice(conn, lease, state.step_id, state.usage, end).await?;
-        Ok(())
-    })
+impl Slice {
+    /// The partial answer of an interrupted model call as an assistant message marked stopped.
+    fn stopped_partial(&self) -> Option<NewMessage> {
+        let partial = self.partial.as_ref()?;
+        let p = partial.lock().ok()?;
+        if p.content.is_empty() && p.reasoning.is_empty() {
+            return None;
+        }
+        let mut message = NewMessage::text(role::ASSISTANT, p.content.clone());
+        message.reasoning = (!p.reasoning.is_empty()).then(|| p.reasoning.clone());
+        message.stopped = true;
+        Some(message)
+    }
 }
 
-async fn body(
-    env: &SliceEnv,
-    run: &Run,
-    lease: &Lease,
-    control: &SliceControl,
-    state: &mut SliceState,
-) -> Result<(), SliceError> {
-    if run.recoveries > env.max_recoveries {
+/// Pre-checks that end the run before its step starts.
+fn precheck(env: &SliceEnv, run: &Run, control: &SliceControl) -> Result<(), SliceError> {
+    if run.faults > env.max_recoveries {
         return Err(failed(
             "abandoned",
-            format!("the run was recovered {} times after its worker stopped renewing the lease", run.recoveries - 1),
+            format!(
+                "the run was interrupted {} times in a row without progress (worker crashes, lost leases or database faults)",
+                run.faults
+            ),
         ));
     }
     if run.cancel_requested_at.is_some() {
@@ -217,161 +263,212 @@ async fn body(
     if run.steps_used >= run.max_steps {
         return Err(failed("budget_exhausted", format!("the run used all {} of its steps (maxSteps)", run.max_steps)));
     }
+    Ok(())
+}
+
+async fn body(slice: &mut Slice, run: &Run) -> Result<SliceEnd, SliceError> {
+    let env = slice.env.clone();
+    precheck(&env, run, &slice.control)?;
     let model = env
         .catalog
         .get(&run.model)
         .ok_or_else(|| failed("model_not_configured", format!("model '{}' is not configured", run.model)))?;
-
-    let mut conn = env.pool.get().await?;
-    let step_sequence = run.steps_used + 1;
-    let step = (*conn)
-        .transaction(async |conn| lease.begin_step(conn, step_sequence, run.attempts, &model.id).await)
-        .await?;
-    state.step_id = Some(step.id);
-    tracing::info!(step.sequence = step.sequence, model.name = %model.id, run.kind = %run.kind, "slice started");
+    let mut tool_specs = if model.supports_tools { env.tools.specs() } else { Vec::new() };
+    let mut tool_tokens = env.schema_tokens(&tool_specs);
+    let deadline = slice.control.confirmed() + env.lease.saturating_sub(env.renew / 2);
+    let started = step::start_slice(
+        &env.store,
+        &slice.lease,
+        run.steps_used + 1,
+        &model.id,
+        tool_tokens,
+        model.context_tokens.map(|t| t as i64),
+        deadline,
+    )
+    .await?;
+    let start = match started {
+        Started::Lost => return Err(SliceError::LeaseLost),
+        Started::Blocked(_) => {
+            tracing::warn!("operations with an unknown outcome: the run is blocked");
+            return Ok(SliceEnd::Blocked);
+        }
+        Started::Ready(start) => start,
+    };
+    slice.control.confirm();
+    slice.step_id = Some(start.step.id);
+    tracing::info!(step.sequence = start.step.sequence, model.name = %model.id, run.kind = %run.kind, "slice started");
     if run.kind == agentloop_shared::runs::kind::COMPACTION {
-        drop(conn);
-        return crate::compact::manual(env, run, lease, model, state).await;
+        return crate::compact::manual(slice, run, model).await;
     }
-    // SPEC §6-§7: operations a dead attempt left dispatched block the run; the unanswered calls
-    // of the run's last tool-call message (approved, or interrupted by a crash) are answered
-    // before the model is called. Never holds `conn` across a tool call.
-    drop(conn);
-    let step_provenance = Provenance { run_id: Some(run.id), step_id: Some(step.id) };
-    let resumed = crate::tool_calls::resume(env, run, lease, &control.cancel_token(), state, step_provenance).await?;
-    if resumed.is_some_and(|r| r.ended) {
-        return Ok(());
+    let interactive = start.metadata.get("stateless").and_then(serde_json::Value::as_bool) != Some(true);
+    // The OpenAI endpoint's client-side tools (issue 12): offered, never run here.
+    let client_tools = crate::client_tools::ClientTools::from_metadata(&start.metadata);
+    if !client_tools.is_empty() && model.supports_tools {
+        tool_specs = client_tools.merge(tool_specs);
+        tool_tokens = context::schema_tokens(&tool_specs);
     }
-    let mut conn = env.pool.get().await?;
-    let (mut context, mut snapshot) = context::load(&mut conn, run.thread_id).await?;
-    let metadata = threads::get(&mut conn, run.thread_id).await?.metadata;
-    drop(conn); // never hold a pooled connection across a model or tool call
-    let settings = compaction::Settings::from_metadata(&metadata, model.context_tokens);
-    let tool_specs = if model.supports_tools { env.tools.specs() } else { Vec::new() };
-    let provenance = Provenance { run_id: Some(run.id), step_id: Some(step.id) };
+    let settings = compaction::Settings::from_metadata(&start.metadata, model.context_tokens);
+    let (mut context, mut snapshot) = context::from_loaded(&start.context);
     let mut slice_tool_calls: u32 = 0;
 
-    loop {
-        let mut tokens = context::estimate_tokens(&context, &tool_specs);
-        if tokens > settings.threshold {
-            tracing::info!(tokens, threshold = settings.threshold, "context over the compaction threshold");
-            (context, snapshot) =
-                crate::compact::automatic(env, model, lease, &context, snapshot.as_ref(), &settings).await?;
-            tokens = context::estimate_tokens(&context, &tool_specs);
+    // SPEC §6-§7: the unanswered calls of the run's last tool-call message (approved, declined,
+    // or interrupted by a crash) are answered before the model is called.
+    if let Some(open) = &start.open {
+        let batch = crate::tool_calls::Batch::open(open);
+        if !batch.is_done() {
+            tracing::info!(pending = batch.pending(), "answering the calls of the last tool-call message");
+            let size = ContextSize { tokens: context::messages_tokens(&context) + tool_tokens, limit: model.context_tokens.map(|t| t as i64) };
+            match crate::tool_calls::run_batch(slice, &batch, &start.approvals, &start.operations, interactive, size).await? {
+                crate::tool_calls::BatchEnd::Ended(end) => return Ok(end),
+                crate::tool_calls::BatchEnd::Answered { results, answered } => {
+                    context.extend(results);
+                    slice_tool_calls += answered;
+                }
+            }
         }
-        let limit = model.context_tokens.map(|t| t as i32);
-        fenced!(env.pool, lease, |conn| {
-            lease::record_context(conn, lease, step.id, tokens as i32, limit).await?;
-            Ok(())
-        })?;
+    }
 
+    let mut compaction_failed = false;
+    loop {
+        slice.check_abort()?;
+        let tokens = context::messages_tokens(&context) + tool_tokens;
+        if tokens > settings.threshold && !compaction_failed {
+            tracing::info!(tokens, threshold = settings.threshold, "context over the compaction threshold");
+            match crate::compact::automatic(slice, model, &context, snapshot.as_ref(), &settings, tool_tokens).await {
+                Ok((next, next_snapshot)) => {
+                    context = next;
+                    snapshot = next_snapshot;
+                }
+                Err(SliceError::Failed { code, message })
+                    if model.context_tokens.is_none_or(|limit| tokens <= limit as i64) =>
+                {
+                    // The context still fits the model: go on without compacting (issue 9).
+                    tracing::warn!(error.code = %code, %message, tokens, "compaction did not reduce the context; it still fits the model, continuing");
+                    compaction_failed = true;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        slice.check_abort()?;
+        // The thread's generation settings (issue 11), never more than the context has left.
+        let (max_tokens, temperature) =
+            agentloop_shared::generation::request_settings(model, &start.metadata, context::messages_tokens(&context) + tool_tokens);
         let request = ChatRequest {
             messages: projection::project_for(model, &context),
             tools: tool_specs.clone(),
             tool_choice: None,
-            max_tokens: None,
-            temperature: None,
+            max_tokens,
+            temperature,
         };
-        let turn = call_model(env, model, &request, lease, control).await?;
-        state.usage.model_calls += 1;
+        let turn = call_model(slice, model, &request).await?;
+        slice.usage.model_calls += 1;
         if let Some(usage) = &turn.usage {
-            state.usage.prompt_tokens += usage.prompt_tokens as i64;
-            state.usage.completion_tokens += usage.completion_tokens as i64;
+            slice.usage.prompt_tokens += usage.prompt_tokens as i64;
+            slice.usage.completion_tokens += usage.completion_tokens as i64;
         }
 
         let mut assistant = NewMessage::text(role::ASSISTANT, turn.content.clone());
         assistant.reasoning = turn.reasoning.clone().filter(|r| !r.is_empty());
-        if !turn.tool_calls.is_empty() {
-            let calls: Vec<_> = turn
-                .tool_calls
-                .iter()
-                .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
-                .collect();
-            let calls = serde_json::Value::Array(calls);
-            assistant.token_estimate += agentloop_shared::tokens::estimate_text(&calls.to_string()) as i32;
-            assistant.tool_calls = Some(calls);
-        }
-
         if turn.tool_calls.is_empty() {
             // Final answer: the message and the run's completion in one transaction.
-            let (usage, step_id) = (state.usage, state.step_id);
-            fenced!(env.pool, lease, |conn| {
-                messages::append(conn, lease.thread_id, provenance, std::slice::from_ref(&assistant), &[None]).await?;
-                threads::set_streaming(conn, lease.thread_id, None).await?;
-                lease::end_slice(conn, lease, step_id, usage, &SliceEnd::Completed).await?;
-                Ok(())
-            })?;
-            tracing::info!(end = ?SliceEnd::Completed, tool_calls = slice_tool_calls, "slice checkpointed its end");
-            return Ok(());
+            slice.commit(Commit { messages: vec![assistant], end: Some(SliceEnd::Completed), ..Commit::default() }).await?;
+            tracing::info!(tool_calls = slice_tool_calls, "final answer checkpointed");
+            // The first answer of an untitled interactive thread (the api marks it
+            // `metadata.autoTitle`): title it in the background (issue 11).
+            let mut users = context.iter().filter(|c| c.message.role == role::USER);
+            let untitled = start.metadata.get("autoTitle").and_then(serde_json::Value::as_bool) == Some(true);
+            if let (true, true, None, Some(first), None) = (interactive, untitled, snapshot.as_ref(), users.next(), users.next()) {
+                let question = agentloop_shared::messages::content_text(&first.message.content);
+                env.titles.spawn(env.store.clone(), env.provider.clone(), model.clone(), run.thread_id, question, turn.content.clone());
+            }
+            return Ok(SliceEnd::Completed);
         }
-
-        // Tool calls (SPEC §6 step 5, §7): the call message is checkpointed before any call runs,
-        // then each result is appended as it arrives (see `tool_calls`).
-        let inserted = fenced!(env.pool, lease, |conn| {
-            let inserted = messages::append(conn, lease.thread_id, provenance, std::slice::from_ref(&assistant), &[None]).await?;
-            threads::set_streaming(conn, lease.thread_id, None).await?;
-            Ok(inserted)
-        })?;
-        let Some((_, row)) = inserted.into_iter().next() else {
-            return Err(SliceError::Db("the assistant tool-call message was not appended".into()));
-        };
-        let calls = turn
+        // Identity is ours (issue 9): every call gets an id unique within the run, whatever the
+        // provider sent (reused ids, `call_0` in every response, duplicates in one message); the
+        // provider's id is kept as `providerId`. Approvals and operations key on our id.
+        let calls: Vec<agentloop_shared::messages::ToolCallRef> = turn
             .tool_calls
             .iter()
-            .map(|c| messages::ToolCallRef { id: c.id.clone(), name: c.name.clone(), arguments: c.arguments.clone() })
+            .map(|c| agentloop_shared::messages::ToolCallRef {
+                id: format!("call_{}", &Uuid::new_v4().simple().to_string()[..24]),
+                name: c.name.clone(),
+                arguments: c.arguments.clone(),
+            })
             .collect();
-        context.push(ContextMessage { identity: Some(row.timestamp_ms), message: assistant });
-        let batch = crate::tool_calls::Batch {
-            message_sequence: row.sequence,
-            calls,
-            answered: std::collections::HashSet::new(),
-            provenance,
-        };
-        let outcome = crate::tool_calls::run_batch(env, run, lease, &control.cancel_token(), state, batch).await?;
-        context.extend(outcome.results);
-        if outcome.ended {
-            return Ok(());
+        let wire: Vec<_> = calls
+            .iter()
+            .zip(&turn.tool_calls)
+            .map(|(ours, theirs)| {
+                json!({"id": ours.id, "providerId": theirs.id, "type": "function",
+                       "function": {"name": ours.name, "arguments": ours.arguments}})
+            })
+            .collect();
+        let mut wire = serde_json::Value::Array(wire);
+        assistant.token_estimate += agentloop_shared::tokens::estimate_text(&wire.to_string()) as i32;
+        if calls.iter().any(|c| client_tools.contains(&c.name)) {
+            return client_turn(slice, assistant, wire, &calls, &client_tools).await;
         }
-        slice_tool_calls += outcome.answered;
+        client_tools.mark(&mut wire);
+        assistant.tool_calls = Some(wire);
+        // The call message is checkpointed before any call runs (SPEC §7).
+        let done = slice.commit(Commit { messages: vec![assistant.clone()], ..Commit::default() }).await?;
+        let identity = done.messages.first().copied();
+        context.push(ContextMessage { identity: identity.map(|i| i.timestamp), message: assistant });
+        let batch = crate::tool_calls::Batch::new(identity.map_or(0, |i| i.sequence), calls);
+        let size = ContextSize { tokens: context::messages_tokens(&context) + tool_tokens, limit: model.context_tokens.map(|t| t as i64) };
+        match crate::tool_calls::run_batch(slice, &batch, &[], &[], interactive, size).await? {
+            crate::tool_calls::BatchEnd::Ended(end) => return Ok(end),
+            crate::tool_calls::BatchEnd::Answered { results, answered } => {
+                context.extend(results);
+                slice_tool_calls += answered;
+            }
+        }
         if slice_tool_calls >= env.tool_call_limit {
-            let (usage, step_id) = (state.usage, state.step_id);
-            fenced!(env.pool, lease, |conn| {
-                lease::end_slice(conn, lease, step_id, usage, &SliceEnd::Requeued).await?;
-                Ok(())
-            })?;
-            tracing::info!(end = ?SliceEnd::Requeued, tool_calls = slice_tool_calls, "slice checkpointed its end");
-            return Ok(());
+            slice.commit(Commit { end: Some(SliceEnd::Requeued), ..Commit::default() }).await?;
+            tracing::info!(tool_calls = slice_tool_calls, "tool-call limit of the slice reached: requeued");
+            return Ok(SliceEnd::Requeued);
         }
     }
 }
 
-/// Partial answer shared between the provider callback and the streaming writer.
-#[derive(Default)]
-struct Partial {
-    content: String,
-    reasoning: String,
-    version: u64,
+/// A turn that called a client-side tool ends the run (see `crate::client_tools`): the
+/// assistant message with every call (client ones marked), a result row per call, and the run's
+/// completion, in one commit.
+async fn client_turn(
+    slice: &mut Slice,
+    mut assistant: NewMessage,
+    mut wire: serde_json::Value,
+    calls: &[agentloop_shared::messages::ToolCallRef],
+    client_tools: &crate::client_tools::ClientTools,
+) -> Result<SliceEnd, SliceError> {
+    client_tools.mark(&mut wire);
+    assistant.tool_calls = Some(wire);
+    let mut messages = vec![assistant];
+    for call in calls {
+        let text = if client_tools.contains(&call.name) {
+            crate::client_tools::CLIENT_CALL_RESULT
+        } else {
+            crate::client_tools::SKIPPED_SERVER_CALL_RESULT
+        };
+        let mut result = NewMessage::text(role::TOOL, text);
+        result.tool_call_id = Some(call.id.clone());
+        messages.push(result);
+    }
+    slice.commit(Commit { messages, end: Some(SliceEnd::Completed), ..Commit::default() }).await?;
+    tracing::info!(client_calls = calls.iter().filter(|c| client_tools.contains(&c.name)).count(), "client-side tool calls returned to the caller");
+    Ok(SliceEnd::Completed)
 }
 
-/// Calls the model with streaming; the partial answer goes to `threads.streaming_message`
-/// (throttled, fenced) and never to history.
+/// Calls the model with streaming; the partial answer goes to the stream flusher (never to
+/// history). Aborts drop the request at once.
 async fn call_model(
-    env: &SliceEnv,
+    slice: &mut Slice,
     model: &ModelConfig,
     request: &ChatRequest,
-    lease: &Lease,
-    control: &SliceControl,
 ) -> Result<agentloop_shared::provider::client::AssistantTurn, SliceError> {
-    let partial = Arc::new(Mutex::new(Partial::default()));
-    let stop = CancellationToken::new();
-    let writer = tokio::spawn(stream_writer(
-        env.pool.clone(),
-        lease.clone(),
-        partial.clone(),
-        env.stream_throttle,
-        stop.clone(),
-        control.clone(),
-    ));
+    let stream = slice.env.streams.open(&slice.lease, &slice.control);
+    let partial = stream.partial.clone();
+    slice.partial = Some(partial.clone());
     let sink = partial.clone();
     let mut on_delta = move |delta: StreamDelta| {
         let mut p = sink.lock().expect("partial lock");
@@ -379,16 +476,31 @@ async fn call_model(
             StreamDelta::Text(t) => p.content.push_str(&t),
             StreamDelta::Reasoning(r) => p.reasoning.push_str(&r),
         }
-        p.version += 1;
     };
     let started = Instant::now();
-    let result = env.provider.stream_chat(model, request, &mut on_delta).await;
-    stop.cancel();
-    let _ = writer.await;
-    metrics::histogram!("agentloop_model_call_duration_seconds").record(started.elapsed().as_secs_f64());
-    metrics::counter!("agentloop_model_calls_total", "outcome" => if result.is_ok() { "ok" } else { "error" }).increment(1);
+    let env = slice.env.clone();
+    let control = slice.control.clone();
+    let result = tokio::select! {
+        result = env.provider.stream_chat(model, request, &mut on_delta) => result,
+        _ = control.aborted() => {
+            drop(stream);
+            return Err(SliceError::Aborted);
+        }
+    };
+    stream.finish().await;
+    let outcome = if result.is_ok() { "ok" } else { "error" };
+    metrics::histogram!("agentloop_model_call_duration_seconds", "model" => model.id.clone(), "outcome" => outcome)
+        .record(started.elapsed().as_secs_f64());
+    metrics::counter!("agentloop_model_calls_total", "model" => model.id.clone(), "outcome" => outcome).increment(1);
+    if let Ok(usage) = result.as_ref().map(|turn| turn.usage.as_ref()) {
+        let usage = usage.cloned().unwrap_or_default();
+        metrics::counter!("agentloop_model_tokens_total", "model" => model.id.clone(), "kind" => "prompt").increment(usage.prompt_tokens);
+        metrics::counter!("agentloop_model_tokens_total", "model" => model.id.clone(), "kind" => "completion")
+            .increment(usage.completion_tokens);
+    }
     match result {
         Ok(turn) => {
+            slice.partial = None;
             tracing::info!(
                 model.name = %model.id,
                 duration_ms = started.elapsed().as_millis() as u64,
@@ -399,103 +511,5 @@ async fn call_model(
             Ok(turn)
         }
         Err(e) => Err(failed(e.code(), e.to_string())),
-    }
-}
-
-/// Writes the partial answer at most every `throttle` while the model streams.
-async fn stream_writer(
-    pool: PgPool,
-    lease: Lease,
-    partial: Arc<Mutex<Partial>>,
-    throttle: Duration,
-    stop: CancellationToken,
-    control: SliceControl,
-) {
-    let mut written_version = 0;
-    let mut written_units = 0usize; // UTF-16 code units already sent (what browsers count)
-    let mut written_bytes = 0usize;
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(throttle) => {}
-        }
-        let (content, reasoning, version) = {
-            let p = partial.lock().expect("partial lock");
-            (p.content.clone(), p.reasoning.clone(), p.version)
-        };
-        if version == written_version {
-            continue;
-        }
-        let delta = &content[written_bytes..];
-        let streaming = json!({"runId": lease.run_id, "content": content, "reasoning": reasoning});
-        let event = json!({"runId": lease.run_id, "offset": written_units, "delta": delta});
-        let thread_id = lease.thread_id;
-        let result = fenced!(pool, lease, |conn| {
-            threads::set_streaming(conn, thread_id, Some(&streaming)).await?;
-            events::append(conn, thread_id, events::kind::STREAMING, &event).await?;
-            Ok(())
-        });
-        match result {
-            Ok(()) => {
-                written_version = version;
-                written_units += delta.encode_utf16().count();
-                written_bytes = content.len();
-            }
-            Err(SliceError::LeaseLost) => {
-                control.abort(AbortReason::LeaseLost);
-                return;
-            }
-            Err(error) => tracing::warn!(%error, "streaming write failed; will retry"),
-        }
-    }
-}
-
-/// Renews the lease every `renew`; aborts the slice when the lease is lost, when cancellation
-/// is requested, or (watchdog) when no renewal succeeded for `lease - renew`, so a worker cut off
-/// from the database stops before another worker may claim the run.
-async fn keep_lease(env: Arc<SliceEnv>, lease: Lease, control: SliceControl) {
-    let mut last_ok = Instant::now();
-    let watchdog = env.lease.saturating_sub(env.renew);
-    loop {
-        tokio::select! {
-            _ = control.token.cancelled() => return,
-            _ = tokio::time::sleep(env.renew) => {}
-        }
-        if last_ok.elapsed() >= env.lease {
-            // The process was stalled (e.g. SIGSTOP) past its lease: it may already be claimed.
-            tracing::warn!(since_ms = last_ok.elapsed().as_millis() as u64, "no lease renewal within the lease; stopping");
-            control.abort(AbortReason::LeaseLost);
-            return;
-        }
-        let attempt = async {
-            let mut conn = env.pool.get().await.map_err(|e| e.to_string())?;
-            Ok::<_, String>(lease.renew(&mut conn, env.lease).await)
-        };
-        match tokio::time::timeout(env.renew, attempt).await {
-            Ok(Ok(Ok(fence))) => {
-                last_ok = Instant::now();
-                if fence.cancel_requested {
-                    control.abort(AbortReason::Cancel);
-                }
-            }
-            Ok(Ok(Err(FencedError::LeaseLost(LeaseLost)))) => {
-                tracing::warn!("lease renewal matched no row: the run is no longer ours");
-                control.abort(AbortReason::LeaseLost);
-                return;
-            }
-            failure => {
-                let error = match failure {
-                    Ok(Ok(Err(FencedError::Query(q)))) => q.to_string(),
-                    Ok(Err(pool)) => pool,
-                    _ => "timed out".to_owned(),
-                };
-                tracing::warn!(%error, "lease renewal failed");
-                if last_ok.elapsed() >= watchdog {
-                    tracing::warn!("watchdog: no successful renewal for lease - renew; stopping");
-                    control.abort(AbortReason::LeaseLost);
-                    return;
-                }
-            }
-        }
     }
 }

@@ -96,3 +96,31 @@ impl Tool for RecordEffect {
         })
     }
 }
+
+/// `crash_slice {}`: panics inside the slice task (test tool, idempotent so it is not
+/// ledgered). Proves that a panic fails the run instead of leaving it `running` with a lease
+/// keeper renewing it forever.
+#[derive(Clone, Copy)]
+pub struct CrashSlice;
+
+impl Tool for CrashSlice {
+    fn name(&self) -> &str {
+        "crash_slice"
+    }
+
+    fn description(&self) -> &str {
+        "Panic inside the worker (test tool)."
+    }
+
+    fn parameters(&self) -> Value {
+        json!({"type": "object", "properties": {}})
+    }
+
+    fn idempotent(&self) -> bool {
+        true
+    }
+
+    fn call(&self, _args: Value, _ctx: ToolContext) -> BoxFuture<'static, Result<String, ToolError>> {
+        Box::pin(async move { panic!("crash_slice: a deliberate panic in a tool") })
+    }
+}

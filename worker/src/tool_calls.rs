@@ -1,39 +1,37 @@
 //! The tool calls of a slice (SPEC §6 step 5, §7): approval policy, human approvals, and the
 //! operations ledger for calls with external effects.
 //!
-//! The assistant tool-call message is checkpointed BEFORE any call runs, so every call is
-//! durable before its effect; each result is then appended in its own fenced transaction (with
-//! the call's operation outcome, for non-idempotent tools). A slice therefore starts with
-//! [`resume`]: operations a dead attempt left `dispatched` become `uncertain` and block the run;
-//! otherwise the unanswered calls of the run's last tool-call message are answered (approved
-//! calls run now, declined ones get their result, calls interrupted by a crash are redone or —
-//! for non-idempotent tools that were never dispatched — dispatched) before the model is called.
-//!
-//! For each unanswered call, in order ([`run_batch`]):
+//! The assistant tool-call message is checkpointed (with ids agentloop assigned, unique per
+//! run) BEFORE any call runs. For each unanswered call, in order ([`run_batch`]):
 //! - an approval row decides: `approved` runs with the approved (maybe edited) arguments,
 //!   `rejected`/`expired`/`cancelled` gets "Tool call declined by the user.";
 //! - otherwise the policy: `deny` gets an error result, `ask` (with valid arguments) joins the
 //!   approval batch — or, on the stateless endpoint's thread where nobody can decide, fails
 //!   closed with an error result — and `auto` runs.
 //!
-//! When the batch needs approvals, its rows are inserted in the fenced transaction that parks
-//! the run in `waiting_approval` and releases the lease; the `auto` calls have run by then.
+//! Results of calls without external effects are collected and committed together (a crash
+//! redoes them: they are idempotent). A call of a non-idempotent tool goes through the ledger:
+//! the results before it and its `dispatched` row are committed BEFORE the call leaves, and its
+//! outcome is committed with its result message. A call whose outcome is unknown (the tool
+//! reports it uncertain: a timeout, a reset or a 5xx after sending; or the slice is aborted
+//! mid-call) makes the operation `uncertain` and the run `blocked` — never `failed`, never
+//! retried automatically. When the batch needs approvals, its rows are created in the commit
+//! that parks the run in `waiting_approval` (lease released); the `auto` calls have run by then.
 
 use std::collections::HashSet;
 use std::time::Instant;
 
 use agentloop_shared::approvals::{self, Approval, NewApproval};
 use agentloop_shared::context::ContextMessage;
-use agentloop_shared::messages::{self, NewMessage, Provenance, ToolCallRef, role};
-use agentloop_shared::operations::{self, status as op_status};
-use agentloop_shared::runs::Run;
-use agentloop_shared::scheduler::Lease;
-use agentloop_shared::scheduler::lease::{self, SliceEnd};
+use agentloop_shared::messages::{NewMessage, ToolCallRef, role};
+use agentloop_shared::operations::{self, Operation, status as op_status};
+use agentloop_shared::scheduler::step::{ContextSize, OpenCalls, OperationChange};
+use agentloop_shared::scheduler::{Commit, SliceEnd};
 use agentloop_shared::tools::{Policy, ToolContext, ToolOutcome};
 use serde_json::Value;
-use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
-use crate::slice::{SliceEnv, SliceError, SliceState};
+use crate::slice::{Slice, SliceError};
 
 /// The calls of one assistant message that still need an answer.
 pub struct Batch {
@@ -43,19 +41,40 @@ pub struct Batch {
     pub calls: Vec<ToolCallRef>,
     /// Ids of calls that already have a result.
     pub answered: HashSet<String>,
-    /// Provenance of the results appended now.
-    pub provenance: Provenance,
+}
+
+impl Batch {
+    /// The calls of a freshly checkpointed assistant message.
+    pub fn new(message_sequence: i64, calls: Vec<ToolCallRef>) -> Self {
+        Self { message_sequence, calls, answered: HashSet::new() }
+    }
+
+    /// The run's open tool-call message as found at slice start.
+    pub fn open(open: &OpenCalls) -> Self {
+        Self {
+            message_sequence: open.message.sequence,
+            calls: agentloop_shared::messages::tool_calls_of(open.message.tool_calls.as_ref()),
+            answered: open.answered.iter().cloned().collect(),
+        }
+    }
+
+    /// Calls still without a result.
+    pub fn pending(&self) -> usize {
+        self.calls.iter().filter(|c| !self.answered.contains(&c.id)).count()
+    }
+
+    /// Every call has a result.
+    pub fn is_done(&self) -> bool {
+        self.pending() == 0
+    }
 }
 
 /// What [`run_batch`] did.
-#[derive(Default)]
-pub struct BatchOutcome {
-    /// Result messages appended, in order, with their identities.
-    pub results: Vec<ContextMessage>,
-    /// Calls answered in this slice.
-    pub answered: u32,
-    /// The slice ended (the run waits for approval or is blocked): stop, the lease is released.
-    pub ended: bool,
+pub enum BatchEnd {
+    /// Every call is answered; the results (committed, with their identities) in order.
+    Answered { results: Vec<ContextMessage>, answered: u32 },
+    /// The slice ended (waiting for approval, blocked, ...): its end is committed.
+    Ended(SliceEnd),
 }
 
 /// Text an `ask` call gets when nobody can approve it (the stateless endpoint's hidden thread,
@@ -67,170 +86,6 @@ fn no_owner(name: &str) -> String {
 /// Text a call of a `deny` tool gets.
 fn denied(name: &str) -> String {
     format!("Tool `{name}` is not allowed by the operator's policy (deny); it was not run.")
-}
-
-/// Start of a slice: blocks the run on operations left `dispatched` (or `uncertain`), else
-/// answers the unanswered calls of the run's last tool-call message. `None` when there was
-/// nothing to do.
-pub async fn resume(
-    env: &SliceEnv,
-    run: &Run,
-    lease: &Lease,
-    cancel: &CancellationToken,
-    state: &mut SliceState,
-    provenance: Provenance,
-) -> Result<Option<BatchOutcome>, SliceError> {
-    let (step_id, usage) = (state.step_id, state.usage);
-    let (blocked, group) = fenced!(env.pool, lease, |conn| {
-        let uncertain = operations::mark_uncertain(conn, lease.run_id).await?;
-        if !uncertain.is_empty() {
-            let end = SliceEnd::Blocked { message: operations::blocker_message(&uncertain) };
-            lease::end_slice(conn, lease, step_id, usage, &end).await?;
-            return Ok((true, None));
-        }
-        Ok((false, messages::last_tool_call_group(conn, lease.thread_id, lease.run_id).await?))
-    })?;
-    if blocked {
-        tracing::warn!("operations with an unknown outcome: the run is blocked");
-        return Ok(Some(BatchOutcome { ended: true, ..BatchOutcome::default() }));
-    }
-    let Some((message, answered)) = group else { return Ok(None) };
-    let calls = messages::tool_calls_of(message.tool_calls.as_ref());
-    let answered: HashSet<String> = answered.into_iter().collect();
-    if calls.iter().all(|c| answered.contains(&c.id)) {
-        return Ok(None);
-    }
-    tracing::info!(pending = calls.iter().filter(|c| !answered.contains(&c.id)).count(), "answering the calls of the last tool-call message");
-    let batch = Batch { message_sequence: message.sequence, calls, answered, provenance };
-    run_batch(env, run, lease, cancel, state, batch).await.map(Some)
-}
-
-/// Answers every unanswered call of `batch` in order (see the module docs); parks the run in
-/// `waiting_approval` when calls need a decision, blocks it when an operation is uncertain.
-pub async fn run_batch(
-    env: &SliceEnv,
-    run: &Run,
-    lease: &Lease,
-    cancel: &CancellationToken,
-    state: &mut SliceState,
-    batch: Batch,
-) -> Result<BatchOutcome, SliceError> {
-    let mut out = BatchOutcome::default();
-    let approvals: Vec<Approval> = {
-        let mut conn = env.pool.get().await?;
-        approvals::for_run(&mut conn, run.id).await?
-    };
-    let mut needs: Vec<NewApproval> = Vec::new();
-    let mut interactive: Option<bool> = None;
-    for call in batch.calls.iter().filter(|c| !batch.answered.contains(&c.id)) {
-        let approval = approvals.iter().find(|a| a.tool_call_id == call.id);
-        let step = match approval.map(|a| a.status.as_str()) {
-            Some(approvals::status::APPROVED) => {
-                let approval = approval.expect("matched");
-                let arguments = approval.approved_arguments.clone().unwrap_or_else(|| approval.arguments.clone());
-                let edited = approval.arguments_edited.then_some(&arguments);
-                execute(env, run, lease, cancel, state, &batch, call, &arguments.to_string(), edited).await?
-            }
-            Some(approvals::status::PENDING) => {
-                let approval = approval.expect("matched");
-                needs.push(NewApproval {
-                    tool_call_id: call.id.clone(),
-                    tool_name: call.name.clone(),
-                    arguments: approval.arguments.clone(),
-                    parameters: approval.parameters.clone(),
-                });
-                Step::Waiting
-            }
-            Some(_) => {
-                let reason = approval.and_then(|a| a.reason.as_deref());
-                Step::Answer(result_for(call, approvals::declined_result(reason)))
-            }
-            None => match env.tools.policy(&call.name) {
-                Policy::Deny => Step::Answer(result_for(call, denied(&call.name))),
-                Policy::Ask if !is_interactive(env, run, &mut interactive).await? => {
-                    Step::Answer(result_for(call, no_owner(&call.name)))
-                }
-                Policy::Ask => match env.tools.prepare(&call.name, &call.arguments).await {
-                    Ok((tool, arguments)) => {
-                        needs.push(NewApproval {
-                            tool_call_id: call.id.clone(),
-                            tool_name: call.name.clone(),
-                            arguments,
-                            parameters: tool.parameters(),
-                        });
-                        Step::Waiting
-                    }
-                    Err(outcome) => Step::Answer(result_for(call, outcome.content)),
-                },
-                Policy::Auto => execute(env, run, lease, cancel, state, &batch, call, &call.arguments, None).await?,
-            },
-        };
-        match step {
-            Step::Waiting => {}
-            Step::Answer(message) => {
-                let identity = append(env, lease, batch.provenance, &message, None).await?;
-                out.results.push(ContextMessage { identity, message });
-                out.answered += 1;
-                state.usage.tool_calls += 1;
-            }
-            Step::Appended(context) => {
-                out.results.push(context);
-                out.answered += 1;
-                state.usage.tool_calls += 1;
-            }
-            Step::Blocked => {
-                out.ended = true;
-                return Ok(out);
-            }
-        }
-    }
-    if !needs.is_empty() {
-        let (step_id, usage, timeout) = (state.step_id, state.usage, env.approval_timeout);
-        let sequence = batch.message_sequence;
-        let parked = fenced!(env.pool, lease, |conn| {
-            // A cancellation requested while the batch ran wins: nobody would decide.
-            if lease.fence(conn).await?.cancel_requested {
-                lease::end_slice(conn, lease, step_id, usage, &SliceEnd::Cancelled).await?;
-                return Ok(false);
-            }
-            approvals::insert_batch(conn, lease.run_id, lease.thread_id, sequence, &needs, timeout).await?;
-            lease::end_slice(conn, lease, step_id, usage, &SliceEnd::WaitingApproval).await?;
-            // Workers re-read the earliest approval deadline (their expiry timer).
-            agentloop_shared::events::notify_runs(conn, "approval", lease.run_id).await?;
-            Ok(true)
-        })?;
-        if parked {
-            tracing::info!(approvals = needs.len(), "tool calls need approval: the run waits");
-            metrics::counter!("agentloop_tool_approvals_requested_total").increment(needs.len() as u64);
-        }
-        out.ended = true;
-    }
-    Ok(out)
-}
-
-/// Whether someone can decide approvals for `run` (its thread is not the stateless endpoint's);
-/// read once per batch.
-async fn is_interactive(env: &SliceEnv, run: &Run, cached: &mut Option<bool>) -> Result<bool, SliceError> {
-    if let Some(known) = *cached {
-        return Ok(known);
-    }
-    let mut conn = env.pool.get().await?;
-    let metadata = agentloop_shared::threads::get(&mut conn, run.thread_id).await?.metadata;
-    let known = metadata.get("stateless").and_then(Value::as_bool) != Some(true);
-    *cached = Some(known);
-    Ok(known)
-}
-
-/// What happened to one call.
-enum Step {
-    /// A result to append.
-    Answer(NewMessage),
-    /// The result is already appended (with the operation outcome).
-    Appended(ContextMessage),
-    /// Joins the approval batch.
-    Waiting,
-    /// The run is blocked (already written).
-    Blocked,
 }
 
 fn result_for(call: &ToolCallRef, text: String) -> NewMessage {
@@ -247,86 +102,254 @@ fn content_of(outcome: &ToolOutcome, edited: Option<&Value>) -> String {
     }
 }
 
-/// Appends one result (fenced; with `finish` = `(key, ok, text)` the operation's outcome in the
-/// same transaction) and returns its identity.
-async fn append(
-    env: &SliceEnv,
-    lease: &Lease,
-    provenance: Provenance,
-    message: &NewMessage,
-    finish: Option<(&str, bool, &str)>,
-) -> Result<Option<i64>, SliceError> {
-    let inserted = fenced!(env.pool, lease, |conn| {
-        if let Some((key, ok, text)) = finish {
-            operations::finish(conn, key, ok, text).await?;
-        }
-        Ok(messages::append(conn, lease.thread_id, provenance, std::slice::from_ref(message), &[None]).await?)
-    })?;
-    Ok(inserted.first().map(|(_, row)| row.timestamp_ms))
+/// Results appended (or about to be) in call order.
+#[derive(Default)]
+struct Results {
+    /// Committed and uncommitted results, in order.
+    all: Vec<ContextMessage>,
+    /// Indexes into `all` not committed yet.
+    uncommitted: Vec<usize>,
 }
 
-/// Runs one call. Idempotent tools just run; others go through the ledger: `prepared`, then
-/// `dispatched` (committed before the call leaves), then the outcome with the result.
-#[allow(clippy::too_many_arguments)]
-async fn execute(
-    env: &SliceEnv,
-    run: &Run,
-    lease: &Lease,
-    cancel: &CancellationToken,
-    state: &mut SliceState,
+impl Results {
+    fn push(&mut self, message: NewMessage) {
+        self.uncommitted.push(self.all.len());
+        self.all.push(ContextMessage { identity: None, message });
+    }
+
+    /// The uncommitted messages (for the next commit).
+    fn take(&self) -> Vec<NewMessage> {
+        self.uncommitted.iter().map(|&i| self.all[i].message.clone()).collect()
+    }
+
+    /// Records the identities of a commit that contained `take()` followed by `extra` messages.
+    fn committed(&mut self, identities: &[agentloop_shared::scheduler::step::Identity]) {
+        for (&i, identity) in self.uncommitted.iter().zip(identities) {
+            self.all[i].identity = Some(identity.timestamp);
+        }
+        self.uncommitted.clear();
+    }
+}
+
+/// Answers every unanswered call of `batch` in order (see the module docs). `approvals` and
+/// `operations` are the run's rows as of slice start (empty for a batch just checkpointed);
+/// `size` is the context size before the results (recorded with them).
+pub async fn run_batch(
+    slice: &mut Slice,
     batch: &Batch,
+    approvals: &[Approval],
+    operations: &[Operation],
+    interactive: bool,
+    size: ContextSize,
+) -> Result<BatchEnd, SliceError> {
+    let tools = slice.env.tools.clone();
+    let mut results = Results::default();
+    let mut needs: Vec<NewApproval> = Vec::new();
+    let mut answered = 0u32;
+    for call in batch.calls.iter().filter(|c| !batch.answered.contains(&c.id)) {
+        slice.check_abort()?;
+        let approval = approvals.iter().find(|a| a.tool_call_id == call.id);
+        match approval.map(|a| a.status.as_str()) {
+            Some(approvals::status::APPROVED) => {
+                let approval = approval.expect("matched");
+                let arguments = approval.approved_arguments.clone().unwrap_or_else(|| approval.arguments.clone());
+                let edited = approval.arguments_edited.then_some(&arguments);
+                if let Some(end) = execute(slice, &mut results, operations, call, &arguments.to_string(), edited).await? {
+                    return Ok(BatchEnd::Ended(end));
+                }
+            }
+            Some(approvals::status::PENDING) => {
+                let approval = approval.expect("matched");
+                needs.push(NewApproval {
+                    message_sequence: batch.message_sequence,
+                    tool_call_id: call.id.clone(),
+                    tool_name: call.name.clone(),
+                    arguments: approval.arguments.clone(),
+                    parameters: approval.parameters.clone(),
+                });
+                continue;
+            }
+            Some(approvals::status::EXPIRED) => results.push(result_for(call, approvals::EXPIRED_RESULT.to_owned())),
+            Some(_) => {
+                let reason = approval.and_then(|a| a.reason.as_deref());
+                results.push(result_for(call, approvals::declined_result(reason)));
+            }
+            None => match tools.policy(&call.name) {
+                Policy::Deny => results.push(result_for(call, denied(&call.name))),
+                Policy::Ask if !interactive => results.push(result_for(call, no_owner(&call.name))),
+                Policy::Ask => match tools.prepare(&call.name, &call.arguments).await {
+                    Ok((tool, arguments)) => {
+                        needs.push(NewApproval {
+                            message_sequence: batch.message_sequence,
+                            tool_call_id: call.id.clone(),
+                            tool_name: call.name.clone(),
+                            arguments,
+                            parameters: tool.parameters(),
+                        });
+                        continue;
+                    }
+                    Err(outcome) => results.push(result_for(call, outcome.content)),
+                },
+                Policy::Auto => {
+                    if let Some(end) = execute(slice, &mut results, operations, call, &call.arguments, None).await? {
+                        return Ok(BatchEnd::Ended(end));
+                    }
+                }
+            },
+        }
+        answered += 1;
+        slice.usage.tool_calls += 1;
+    }
+    let size = ContextSize {
+        tokens: size.tokens + results.all.iter().map(|c| i64::from(c.message.token_estimate.max(1))).sum::<i64>(),
+        limit: size.limit,
+    };
+    if !needs.is_empty() {
+        let count = needs.len();
+        let done = slice
+            .commit(Commit {
+                messages: results.take(),
+                approvals: needs,
+                approval_timeout_ms: Some(slice.env.approval_timeout.as_millis() as u64),
+                context: Some(size),
+                end: Some(SliceEnd::WaitingApproval),
+                ..Commit::default()
+            })
+            .await?;
+        if done.status == agentloop_shared::runs::status::WAITING_APPROVAL {
+            tracing::info!(approvals = count, "tool calls need approval: the run waits");
+            metrics::counter!("agentloop_tool_approvals_requested_total").increment(count as u64);
+            return Ok(BatchEnd::Ended(SliceEnd::WaitingApproval));
+        }
+        // A cancellation requested meanwhile won: nobody would decide.
+        return Ok(BatchEnd::Ended(SliceEnd::Cancelled { keep_streamed: false }));
+    }
+    if !results.uncommitted.is_empty() {
+        let done = slice.commit(Commit { messages: results.take(), context: Some(size), ..Commit::default() }).await?;
+        results.committed(&done.messages);
+    }
+    Ok(BatchEnd::Answered { results: results.all, answered })
+}
+
+/// Runs one call. Idempotent tools just run (their result joins `results`); the others go
+/// through the ledger. Returns the slice's end when the call ended it (blocked).
+async fn execute(
+    slice: &mut Slice,
+    results: &mut Results,
+    operations: &[Operation],
     call: &ToolCallRef,
     raw_arguments: &str,
     edited: Option<&Value>,
-) -> Result<Step, SliceError> {
-    let key = operations::key(run.id, &call.id);
-    let (tool, arguments) = match env.tools.prepare(&call.name, raw_arguments).await {
+) -> Result<Option<SliceEnd>, SliceError> {
+    let tools = slice.env.tools.clone();
+    let key = operations::key(slice.lease.run_id, &call.id);
+    let (tool, arguments) = match tools.prepare(&call.name, raw_arguments).await {
         Ok(prepared) => prepared,
-        Err(outcome) => return Ok(Step::Answer(result_for(call, outcome.content))),
+        Err(outcome) => {
+            results.push(result_for(call, outcome.content));
+            return Ok(None);
+        }
     };
-    let ctx = ToolContext { idempotency_key: key.clone(), cancel: cancel.child_token() };
+    let ctx = ToolContext { idempotency_key: key.clone(), cancel: slice.control.cancel_token() };
     let started = Instant::now();
-    let ledger = !env.tools.is_idempotent(&call.name);
-    if ledger {
-        let existing = {
-            let mut conn = env.pool.get().await?;
-            operations::get(&mut conn, &key).await?
-        };
-        match existing.as_ref().map(|o| o.status.as_str()) {
-            Some(op_status::COMPLETED | op_status::FAILED) => {
-                return Ok(Step::Answer(operations::result_message(existing.as_ref().expect("matched"))));
-            }
-            Some(op_status::DISPATCHED | op_status::UNCERTAIN) => {
-                let (step_id, usage) = (state.step_id, state.usage);
-                fenced!(env.pool, lease, |conn| {
-                    let uncertain = operations::mark_uncertain(conn, lease.run_id).await?;
-                    let end = SliceEnd::Blocked { message: operations::blocker_message(&uncertain) };
-                    lease::end_slice(conn, lease, step_id, usage, &end).await?;
-                    Ok(())
-                })?;
-                return Ok(Step::Blocked);
-            }
-            _ => {}
-        }
-        let (thread_id, epoch) = (lease.thread_id, lease.epoch);
-        let dispatched = fenced!(env.pool, lease, |conn| {
-            let prepared = operations::prepare(conn, run.id, thread_id, epoch, &call.id, &call.name, &arguments).await?;
-            Ok(prepared.is_some() && operations::dispatch(conn, &key, epoch).await?)
-        })?;
-        if !dispatched {
-            return Err(SliceError::Db(format!("operation {key} changed state under this slice")));
-        }
+    if tools.is_idempotent(&call.name) {
+        let span = tool_span(call);
+        let outcome = tools.invoke(tool.as_ref(), arguments, ctx).instrument(span.clone()).await;
+        traced(&span, &outcome);
+        slice.check_abort()?;
+        record(call, &outcome, false, started);
+        results.push(result_for(call, content_of(&outcome, edited)));
+        return Ok(None);
     }
-    let outcome = env.tools.invoke(tool.as_ref(), arguments, ctx).await;
-    if ledger && cancel.is_cancelled() {
-        // The slice is being aborted mid-effect: the outcome is unknown. The slice end marks the
-        // operation uncertain.
-        return Err(SliceError::Aborted);
+    match operations.iter().find(|o| o.key == key).map(|o| o.status.as_str()) {
+        Some(op_status::COMPLETED | op_status::FAILED) => {
+            let op = operations.iter().find(|o| o.key == key).expect("matched");
+            results.push(operations::result_message(op));
+            return Ok(None);
+        }
+        Some(op_status::DISPATCHED | op_status::UNCERTAIN) => {
+            // Slice start blocks runs with such rows; reaching one here means its outcome is
+            // unknown all the same.
+            let messages = results.take();
+            slice.commit(Commit { messages, end: Some(SliceEnd::Blocked), ..Commit::default() }).await?;
+            return Ok(Some(SliceEnd::Blocked));
+        }
+        _ => {}
     }
-    tracing::info!(tool.name = %call.name, tool.error = outcome.is_error, tool.ledger = ledger, duration_ms = started.elapsed().as_millis() as u64, "tool call");
-    metrics::counter!("agentloop_tool_calls_total", "tool" => call.name.clone(), "error" => outcome.is_error.to_string()).increment(1);
+    // The results before this call and its `dispatched` row, committed before it leaves.
+    let dispatch = OperationChange::Dispatch {
+        key: key.clone(),
+        tool_call_id: call.id.clone(),
+        tool_name: call.name.clone(),
+        arguments: arguments.clone(),
+    };
+    let done = slice.commit(Commit { messages: results.take(), operations: vec![dispatch], ..Commit::default() }).await?;
+    results.committed(&done.messages);
+    // No abort check between the dispatch and the call: an abort that came in between is seen
+    // by the registry as "cancelled before the call started" (failed, nothing sent). A shutdown
+    // lets the call finish (the effects token ignores it); a cancellation or a lost lease cuts
+    // it, and the registry then reports the outcome as uncertain.
+    let ctx = ToolContext { cancel: slice.control.effect_token(), ..ctx };
+    let span = tool_span(call);
+    let outcome = tools.invoke(tool.as_ref(), arguments, ctx).instrument(span.clone()).await;
+    traced(&span, &outcome);
+    record(call, &outcome, true, started);
+    if outcome.uncertain {
+        tracing::warn!(tool.name = %call.name, "the outcome of a call with external effects is unknown: the run is blocked");
+        let finish = OperationChange::Finish { key, status: op_status::UNCERTAIN, result: outcome.content.clone() };
+        slice.commit(Commit { operations: vec![finish], end: Some(SliceEnd::Blocked), ..Commit::default() }).await?;
+        return Ok(Some(SliceEnd::Blocked));
+    }
     let message = result_for(call, content_of(&outcome, edited));
-    let finish = ledger.then_some((key.as_str(), !outcome.is_error, message.content.as_str().unwrap_or_default()));
-    let identity = append(env, lease, batch.provenance, &message, finish).await?;
-    Ok(Step::Appended(ContextMessage { identity, message }))
+    let status = if outcome.is_error { op_status::FAILED } else { op_status::COMPLETED };
+    let text = message.content.as_str().unwrap_or_default().to_owned();
+    let finish = OperationChange::Finish { key: key.clone(), status, result: text.clone() };
+    results.push(message);
+    match slice.commit(Commit { messages: results.take(), operations: vec![finish], ..Commit::default() }).await {
+        Ok(done) => results.committed(&done.messages),
+        Err(error @ (SliceError::LeaseLost | SliceError::Transient(_))) => {
+            // The outcome is known: record it on the operation row even without the lease, so
+            // the next attempt uses it instead of blocking the run on an "unknown" outcome.
+            let deadline = Instant::now() + slice.env.lease * 4;
+            match agentloop_shared::scheduler::step::record_outcome(&slice.env.store, &slice.lease, &key, status, &text, deadline).await {
+                Ok(recorded) => tracing::warn!(recorded, "the call's checkpoint could not be committed; its outcome was recorded on the operation"),
+                Err(e) => tracing::error!(error = %e, "the call's outcome could not be recorded; the run will be blocked on it"),
+            }
+            return Err(error);
+        }
+        Err(error) => return Err(error),
+    }
+    Ok(None)
+}
+
+/// The span of one tool call, `execute_tool {name}` with the GenAI semantic-convention
+/// attributes `gen_ai.operation.name`, `gen_ai.tool.name`, `gen_ai.tool.call.id`; never the
+/// arguments or the result.
+fn tool_span(call: &ToolCallRef) -> tracing::Span {
+    tracing::info_span!(
+        "execute_tool",
+        otel.name = %format_args!("execute_tool {}", call.name),
+        otel.status_code = tracing::field::Empty,
+        gen_ai.operation.name = "execute_tool",
+        gen_ai.tool.name = %call.name,
+        gen_ai.tool.call.id = %call.id,
+        error.type = tracing::field::Empty,
+    )
+}
+
+/// Marks the tool span failed when the call failed (`error.type`: `tool_error` | `uncertain`).
+fn traced(span: &tracing::Span, outcome: &ToolOutcome) {
+    if outcome.is_error || outcome.uncertain {
+        span.record("error.type", if outcome.uncertain { "uncertain" } else { "tool_error" });
+        span.record("otel.status_code", "ERROR");
+    }
+}
+
+fn record(call: &ToolCallRef, outcome: &ToolOutcome, ledger: bool, started: Instant) {
+    tracing::info!(tool.name = %call.name, tool.error = outcome.is_error, tool.uncertain = outcome.uncertain, tool.ledger = ledger,
+                   duration_ms = started.elapsed().as_millis() as u64, "tool call");
+    let label = if outcome.uncertain { "uncertain" } else if outcome.is_error { "error" } else { "ok" };
+    metrics::counter!("agentloop_tool_calls_total", "tool" => call.name.clone(), "outcome" => label).increment(1);
+    metrics::histogram!("agentloop_tool_call_duration_seconds", "tool" => call.name.clone(), "outcome" => label)
+        .record(started.elapsed().as_secs_f64());
 }

@@ -1,0 +1,171 @@
+//! What a worker knows about each slice it executes, and the one lease keeper that renews them.
+//!
+//! A [`SliceControl`] carries the slice's fencing token, an abort signal with its first reason,
+//! and the last moment its lease was confirmed extended (a renewal answered `ok`, or one of its
+//! own steps committed — every step extends the lease). The [`keeper`] renews the leases of all
+//! slices of the process in ONE statement every `renew` interval on a dedicated connection (a
+//! pool under back-pressure cannot delay renewals), never waits on a row lock, and aborts a
+//! slice whose lease is lost or was not confirmed for `lease - renew` (a worker cut off from
+//! the database stops before another worker may claim the run).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use agentloop_shared::scheduler::{self, Renewal};
+use agentloop_shared::store::Store;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// Why a slice was aborted (first reason wins).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortReason {
+    /// Cancellation requested: end the run `cancelled` (keeping a partial answer, marked stopped).
+    Cancel,
+    /// Worker shutdown: hand the run back (`queued`).
+    Shutdown,
+    /// The lease is gone (or could not be confirmed in time): write nothing more.
+    LeaseLost,
+}
+
+struct State {
+    reason: Option<AbortReason>,
+    confirmed: Instant,
+    /// The slice committed its end: its lease is released on purpose.
+    ended: bool,
+}
+
+/// Handle on one running slice; cheap to clone.
+#[derive(Clone)]
+pub struct SliceControl {
+    /// The run's fencing token.
+    pub epoch: i64,
+    token: CancellationToken,
+    /// Cancelled by every abort but a shutdown: a call with external effects in flight is let
+    /// finish on shutdown (its outcome is then known and committed), within the grace period.
+    effects: CancellationToken,
+    state: Arc<Mutex<State>>,
+}
+
+impl SliceControl {
+    /// A control for a run just claimed with fencing token `epoch` (its lease confirmed now).
+    pub fn new(epoch: i64) -> Self {
+        Self {
+            epoch,
+            token: CancellationToken::new(),
+            effects: CancellationToken::new(),
+            state: Arc::new(Mutex::new(State { reason: None, confirmed: Instant::now(), ended: false })),
+        }
+    }
+
+    /// Aborts the slice for `reason` (a later reason does not replace the first).
+    pub fn abort(&self, reason: AbortReason) {
+        let mut state = self.state.lock().expect("slice state");
+        if state.reason.is_none() {
+            state.reason = Some(reason);
+        }
+        if reason != AbortReason::Shutdown {
+            self.effects.cancel();
+        }
+        self.token.cancel();
+    }
+
+    /// The abort reason, if aborted.
+    pub fn reason(&self) -> Option<AbortReason> {
+        self.state.lock().expect("slice state").reason
+    }
+
+    /// Resolves when the slice is aborted.
+    pub async fn aborted(&self) {
+        self.token.cancelled().await
+    }
+
+    /// A token cancelled when the slice is aborted (handed to tools).
+    pub fn cancel_token(&self) -> CancellationToken {
+        self.token.child_token()
+    }
+
+    /// A token for a call with external effects: cancelled by a cancellation or a lost lease,
+    /// not by a shutdown.
+    pub fn effect_token(&self) -> CancellationToken {
+        self.effects.child_token()
+    }
+
+    /// Records that the lease was extended now.
+    pub fn confirm(&self) {
+        self.state.lock().expect("slice state").confirmed = Instant::now();
+    }
+
+    /// Records that the slice committed its end (the lease is released, not lost).
+    pub fn end(&self) {
+        self.state.lock().expect("slice state").ended = true;
+    }
+
+    /// Whether the slice committed its end.
+    pub fn ended(&self) -> bool {
+        self.state.lock().expect("slice state").ended
+    }
+
+    /// When the lease was last confirmed.
+    pub fn confirmed(&self) -> Instant {
+        self.state.lock().expect("slice state").confirmed
+    }
+}
+
+/// The slices this process executes, by run id.
+pub type InFlight = Arc<Mutex<HashMap<Uuid, SliceControl>>>;
+
+/// The lease keeper: every `renew`, renews all leases in `in_flight` in one statement on
+/// `store` (a dedicated one-connection store); applies the answers; aborts slices whose lease
+/// was not confirmed for `lease - renew`. Runs until `stop`.
+pub async fn keeper(store: Store, owner: String, lease: Duration, renew: Duration, in_flight: InFlight, stop: CancellationToken) {
+    let watchdog = lease.saturating_sub(renew);
+    let mut tick = tokio::time::interval(renew);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let slices: Vec<(Uuid, SliceControl)> =
+            in_flight.lock().expect("in-flight lock").iter().map(|(id, c)| (*id, c.clone())).collect();
+        if slices.is_empty() {
+            continue;
+        }
+        let leases: Vec<(Uuid, i64)> = slices.iter().map(|(id, c)| (*id, c.epoch)).collect();
+        // Bounded, so the watchdog below runs every tick even when the database hangs.
+        let renewal = tokio::time::timeout(renew, scheduler::lease::renew(&store, &owner, lease, &leases)).await;
+        match renewal.unwrap_or_else(|_| Err(agentloop_shared::store::StoreError::Unavailable("renewal timed out".into()))) {
+            Ok(answers) => {
+                for (id, control) in &slices {
+                    match answers.get(id) {
+                        Some(Renewal::Ok) => control.confirm(),
+                        Some(Renewal::Cancel) => {
+                            control.confirm();
+                            control.abort(AbortReason::Cancel);
+                        }
+                        Some(Renewal::Busy) | None => {}
+                        Some(Renewal::Lost) if control.ended() => {}
+                        Some(Renewal::Lost) => {
+                            tracing::warn!(run.id = %id, "lease renewal matched no row: the run is no longer ours");
+                            metrics::counter!("agentloop_lease_lost_total").increment(1);
+                            control.abort(AbortReason::LeaseLost);
+                        }
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "lease renewal failed");
+                metrics::counter!("agentloop_lease_renew_failures_total").increment(1);
+            }
+        }
+        for (id, control) in &slices {
+            if control.reason().is_none() && !control.ended() && control.confirmed().elapsed() >= watchdog {
+                tracing::warn!(run.id = %id, since_ms = control.confirmed().elapsed().as_millis() as u64,
+                               "watchdog: lease not confirmed for lease - renew; stopping the slice");
+                metrics::counter!("agentloop_lease_lost_total").increment(1);
+                control.abort(AbortReason::LeaseLost);
+            }
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! The stream flusher: ONE task per worker writes the partial answers of ALL its streaming
+//! slices, every `throttle`, in ONE transaction (`agentloop_stream`): a `streaming` journal event
+//! per slice that got new text (a delta with its UTF-16 offset, not the whole text) and, for a
+//! new partial or every [`SNAPSHOT_EVERY`] flushes, the whole partial in
+//! `threads.streaming_message` so a reader can rebuild it from that plus the later deltas. The
+//! database work per streaming run is therefore bounded by the flush rate, not by the token
+//! rate, and a thousand streams cost one transaction per tick.
+//!
+//! A slice [`StreamHub::open`]s a stream before its model call and [`Stream::finish`]es it
+//! before it commits the answer: `finish` waits for a flush in progress, so no streaming event of
+//! the call can land after the committed message. Dropping a [`Stream`] (an aborted slice, a
+//! panic) unregisters it at once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agentloop_shared::scheduler::Lease;
+use agentloop_shared::scheduler::step::{self, StreamItem, StreamSnapshot};
+use agentloop_shared::store::Store;
+use agentloop_shared::streaming::utf16_len;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::control::{AbortReason, SliceControl};
+
+/// A whole-partial snapshot is written at least every this many flushes of a stream.
+pub const SNAPSHOT_EVERY: u32 = 8;
+/// ... or when this many bytes arrived since the last snapshot.
+const SNAPSHOT_BYTES: usize = 16 * 1024;
+
+/// The partial answer of one model call.
+#[derive(Default)]
+pub struct Partial {
+    pub content: String,
+    pub reasoning: String,
+    sent_bytes: usize,
+    sent_units: usize,
+    sent_reasoning_bytes: usize,
+    sent_reasoning_units: usize,
+    flushes: u32,
+    snapshot_bytes: usize,
+}
+
+struct Entry {
+    lease: Lease,
+    control: SliceControl,
+    partial: Arc<Mutex<Partial>>,
+}
+
+/// A stream's item in a flush, with what it will have sent once the flush commits:
+/// `(content bytes, content UTF-16 units, reasoning bytes, reasoning UTF-16 units)`.
+type Pending = (StreamItem, Arc<Mutex<Partial>>, SliceControl, (usize, usize, usize, usize));
+
+/// The flusher's registry.
+pub struct StreamHub {
+    streams: Mutex<HashMap<Uuid, Entry>>,
+    /// Held for the whole of a flush; `finish` takes it to wait for a flush in progress.
+    flushing: tokio::sync::Mutex<()>,
+}
+
+/// A registered stream; see the module docs.
+pub struct Stream {
+    hub: Arc<StreamHub>,
+    run_id: Uuid,
+    /// The partial the provider callback appends to.
+    pub partial: Arc<Mutex<Partial>>,
+}
+
+impl StreamHub {
+    /// An empty hub.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self { streams: Mutex::new(HashMap::new()), flushing: tokio::sync::Mutex::new(()) })
+    }
+
+    /// Registers the partial of a new model call of the leased run (offset 0).
+    pub fn open(self: &Arc<Self>, lease: &Lease, control: &SliceControl) -> Stream {
+        let partial = Arc::new(Mutex::new(Partial::default()));
+        self.streams.lock().expect("streams lock").insert(
+            lease.run_id,
+            Entry { lease: lease.clone(), control: control.clone(), partial: partial.clone() },
+        );
+        Stream { hub: self.clone(), run_id: lease.run_id, partial }
+    }
+
+    /// One flush: every stream with unsent text, in one transaction.
+    async fn flush(&self, store: &Store, owner: &str) {
+        let _guard = self.flushing.lock().await;
+        let pending: Vec<Pending> = {
+            let streams = self.streams.lock().expect("streams lock");
+            streams
+                .values()
+                .filter_map(|e| {
+                    let p = e.partial.lock().expect("partial lock");
+                    if p.content.len() == p.sent_bytes && p.reasoning.len() == p.sent_reasoning_bytes {
+                        return None;
+                    }
+                    let delta = p.content[p.sent_bytes..].to_owned();
+                    let reasoning_delta = (p.reasoning.len() > p.sent_reasoning_bytes).then(|| p.reasoning[p.sent_reasoning_bytes..].to_owned());
+                    let snapshot = (p.flushes == 0
+                        || (p.flushes + 1) % SNAPSHOT_EVERY == 0
+                        || p.content.len() + p.reasoning.len() - p.snapshot_bytes >= SNAPSHOT_BYTES)
+                        .then(|| StreamSnapshot { content: p.content.clone(), reasoning: p.reasoning.clone() });
+                    let sent = (
+                        p.content.len(),
+                        p.sent_units + utf16_len(&delta),
+                        p.reasoning.len(),
+                        p.sent_reasoning_units + reasoning_delta.as_deref().map_or(0, utf16_len),
+                    );
+                    let item = StreamItem {
+                        run_id: e.lease.run_id,
+                        epoch: e.lease.epoch,
+                        thread_id: e.lease.thread_id,
+                        offset: p.sent_units,
+                        delta,
+                        reasoning_offset: reasoning_delta.as_ref().map(|_| p.sent_reasoning_units),
+                        reasoning_delta,
+                        snapshot,
+                    };
+                    Some((item, e.partial.clone(), e.control.clone(), sent))
+                })
+                .collect()
+        };
+        if pending.is_empty() {
+            return;
+        }
+        let items: Vec<StreamItem> = pending.iter().map(|(item, ..)| item.clone()).collect();
+        match step::flush_streams(store, owner, &items).await {
+            Ok(lost) => {
+                for (item, partial, control, sent) in &pending {
+                    if lost.contains(&item.run_id) {
+                        control.abort(AbortReason::LeaseLost);
+                        continue;
+                    }
+                    let mut p = partial.lock().expect("partial lock");
+                    (p.sent_bytes, p.sent_units, p.sent_reasoning_bytes, p.sent_reasoning_units) = *sent;
+                    p.flushes += 1;
+                    if item.snapshot.is_some() {
+                        p.snapshot_bytes = p.content.len() + p.reasoning.len();
+                    }
+                }
+                metrics::counter!("agentloop_stream_flushes_total").increment(1);
+                metrics::histogram!("agentloop_stream_flush_items").record(items.len() as f64);
+            }
+            // Not advanced: the next flush resends from the last confirmed offsets.
+            Err(error) => tracing::warn!(%error, streams = items.len(), "streaming flush failed; will resend"),
+        }
+    }
+
+    /// The flusher loop: a flush every `throttle` until `stop`.
+    pub async fn run(self: Arc<Self>, store: Store, owner: String, throttle: Duration, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(throttle);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => self.flush(&store, &owner).await,
+            }
+        }
+    }
+}
+
+impl Stream {
+    /// Unregisters the stream after any flush in progress (call before committing the answer).
+    pub async fn finish(self) {
+        let _guard = self.hub.flushing.lock().await;
+        self.hub.streams.lock().expect("streams lock").remove(&self.run_id);
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if let Ok(mut streams) = self.hub.streams.lock()
+            && streams.get(&self.run_id).is_some_and(|e| Arc::ptr_eq(&e.partial, &self.partial))
+        {
+            streams.remove(&self.run_id);
+        }
+    }
+}
