@@ -12,8 +12,21 @@ pub enum ApiError {
     #[error("{message}")]
     BadRequest { code: &'static str, message: String },
     /// 401 `unauthorized`: no or an invalid bearer key.
-    #[error("a valid API key is required (Authorization: Bearer <key>)")]
+    #[error("a valid API key is required (Authorization: Bearer <key>, or the session cookie)")]
     Unauthorized,
+    /// 401 with a stable code: `unauthenticated` (no credentials), `invalid_api_key`,
+    /// `credentials_revoked` (a live-update connection whose key or session ended).
+    #[error("{message}")]
+    Unauthenticated { code: &'static str, message: String },
+    /// 403 with a stable code (`csrf_header_missing`, `host_not_allowed`).
+    #[error("{message}")]
+    Forbidden { code: &'static str, message: String },
+    /// 429 with a stable code and `Retry-After` (seconds): a rate or a per-principal limit.
+    #[error("{message}")]
+    TooManyRequests { code: &'static str, message: String, retry_after_s: u64 },
+    /// Any other client error with its status and stable code (405, 408, 415, 431, ...).
+    #[error("{message}")]
+    Status { status: StatusCode, code: &'static str, message: String },
     /// 404 `not_found`; also another principal's resource (SPEC §11).
     #[error("not found")]
     NotFound,
@@ -23,9 +36,12 @@ pub enum ApiError {
     /// 413 `payload_too_large`.
     #[error("request body too large")]
     PayloadTooLarge,
-    /// 503 with a stable code (`sse_unavailable`, `database_unavailable`).
+    /// 503 with a stable code (`sse_unavailable`, `database_unavailable`, `server_busy`).
     #[error("{message}")]
     Unavailable { code: &'static str, message: String },
+    /// A refusal of a step function (`AL<status>`), with its status and stable code.
+    #[error("{message}")]
+    Refused { status: StatusCode, code: String, message: String },
     /// 502 with the failed run's error code (the stateless endpoint).
     #[error("{message}")]
     RunFailed { code: String, message: String },
@@ -45,10 +61,13 @@ impl ApiError {
         Self::Conflict { code, message: message.into() }
     }
 
-    fn code(&self) -> &str {
+    /// The stable error code.
+    pub fn code(&self) -> &str {
         match self {
-            Self::RunFailed { code, .. } => code,
+            Self::RunFailed { code, .. } | Self::Refused { code, .. } => code,
             Self::BadRequest { code, .. } | Self::Conflict { code, .. } | Self::Unavailable { code, .. } => code,
+            Self::Unauthenticated { code, .. } | Self::Forbidden { code, .. } | Self::TooManyRequests { code, .. } => code,
+            Self::Status { code, .. } => code,
             Self::Unauthorized => "unauthorized",
             Self::NotFound => "not_found",
             Self::PayloadTooLarge => "payload_too_large",
@@ -58,8 +77,49 @@ impl ApiError {
 }
 
 impl From<diesel::result::Error> for ApiError {
+    /// Reads go through diesel, which hides SQLSTATEs: a lost or terminated connection (and a
+    /// serialization failure) is 503 `database_unavailable` — a read is always safe to retry —
+    /// anything else a 500.
     fn from(e: diesel::result::Error) -> Self {
-        Self::Internal(e.into())
+        use diesel::result::{DatabaseErrorKind as K, Error as E};
+        let transient = match &e {
+            E::DatabaseError(K::UnableToSendCommand | K::ClosedConnection | K::SerializationFailure, _) => true,
+            E::DatabaseError(K::Unknown, info) => {
+                let m = info.message();
+                m.contains("terminating connection") || m.contains("connection") && m.contains("closed") || m.contains("statement timeout")
+            }
+            _ => false,
+        };
+        if transient {
+            Self::Unavailable { code: "database_unavailable", message: format!("database unavailable: {e}") }
+        } else {
+            Self::Internal(e.into())
+        }
+    }
+}
+
+impl From<agentloop_shared::store::StoreError> for ApiError {
+    /// A step function's refusal keeps its status and code (404 is the plain `not_found`); a
+    /// database that stayed unavailable is 503 `database_unavailable`; a replay-unsafe command
+    /// whose connection broke mid-commit is 503 `outcome_unknown`; anything else is a 500.
+    fn from(e: agentloop_shared::store::StoreError) -> Self {
+        use agentloop_shared::store::StoreError as E;
+        match e {
+            E::Refused { status: 404, .. } => Self::NotFound,
+            E::Refused { status, code, message } => Self::Refused {
+                status: StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
+                code,
+                message,
+            },
+            E::Unavailable(message) => Self::Unavailable { code: "database_unavailable", message: format!("database unavailable: {message}") },
+            E::OutcomeUnknown(_) => Self::Unavailable {
+                code: "outcome_unknown",
+                message: "the database connection was lost while the command was being committed: it may or may not have \
+                          taken effect; read the thread, or send commands with an Idempotency-Key so a retry is safe"
+                    .into(),
+            },
+            E::Deterministic { .. } => Self::Internal(anyhow::anyhow!(e)),
+        }
     }
 }
 
@@ -73,12 +133,16 @@ impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         match self {
             Self::BadRequest { .. } => StatusCode::BAD_REQUEST,
-            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::Unauthorized | Self::Unauthenticated { .. } => StatusCode::UNAUTHORIZED,
+            Self::Forbidden { .. } => StatusCode::FORBIDDEN,
+            Self::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::Status { status, .. } => *status,
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::Conflict { .. } => StatusCode::CONFLICT,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::RunFailed { .. } => StatusCode::BAD_GATEWAY,
+            Self::Refused { status, .. } => *status,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -88,11 +152,36 @@ impl ResponseError for ApiError {
             tracing::error!(error = ?cause, "request failed");
         }
         let mut response = HttpResponse::build(self.status_code());
-        if matches!(self, Self::Unauthorized) {
+        if matches!(self, Self::Unauthorized | Self::Unauthenticated { .. }) {
             response.insert_header(("WWW-Authenticate", "Bearer"));
         }
-        response.json(json!({"error": {"code": self.code(), "message": self.to_string()}}))
+        match self {
+            Self::TooManyRequests { retry_after_s, .. } => {
+                response.insert_header(("Retry-After", retry_after_s.to_string()));
+            }
+            // A per-principal limit counted in PostgreSQL (AL429): a hint, not a promise.
+            Self::Refused { status, code, .. } if *status == StatusCode::TOO_MANY_REQUESTS => {
+                crate::limits::count_refusal(match code.as_str() {
+                    "too_many_active_runs" => "active_runs",
+                    "too_many_queued_turns" => "queued_turns",
+                    "too_many_threads" => "threads",
+                    _ => "other",
+                });
+                response.insert_header(("Retry-After", "10"));
+            }
+            // The body budget was used up (`budget.rs`): it frees as requests finish.
+            Self::Unavailable { code: "server_busy", .. } => {
+                response.insert_header(("Retry-After", "1"));
+            }
+            _ => {}
+        }
+        response.json(envelope(self.code(), &self.to_string()))
     }
+}
+
+/// The error envelope `{"error":{"code","message"}}`.
+pub fn envelope(code: &str, message: &str) -> serde_json::Value {
+    json!({"error": {"code": code, "message": message}})
 }
 
 /// Maps actix's JSON extractor errors into the envelope (`invalid_json`, `missing_field`,
@@ -101,7 +190,11 @@ pub fn json_error(err: actix_web::error::JsonPayloadError, _req: &actix_web::Htt
     use actix_web::error::JsonPayloadError as E;
     let api = match &err {
         E::OverflowKnownLength { .. } | E::Overflow { .. } => ApiError::PayloadTooLarge,
-        E::ContentType => ApiError::bad_request("unsupported_media_type", "expected Content-Type: application/json"),
+        E::ContentType => ApiError::Status {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            code: "unsupported_media_type",
+            message: "expected Content-Type: application/json".into(),
+        },
         E::Deserialize(e) if e.is_data() => {
             let message = e.to_string();
             let code = if message.starts_with("missing field") { "missing_field" } else { "invalid_field" };

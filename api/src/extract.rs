@@ -1,49 +1,234 @@
-//! Request extractors: the authenticated principal (SPEC §11).
+//! Request extractors: the authenticated principal (SPEC §11, CONTRACTS.md "Browser sign-in
+//! session", issue 10 points 4 and 7).
+//!
+//! Credentials, in this order:
+//! 1. `Authorization: Bearer <key>` — a present header must hold a live key (never falls back);
+//! 2. the `agentloop_session` cookie — a live session of a live key; a request it authenticates
+//!    that is not GET/HEAD must carry `X-Requested-With: agentloop` (CSRF guard; a cross-site
+//!    form cannot set that header), else 403 `csrf_header_missing`;
+//! 3. only with `DEV_LOOPBACK_PRINCIPAL=true`: a request from a loopback peer whose `Host` is a
+//!    loopback name (`localhost`, `127.0.0.1`, `[::1]`, any port) acts as `local` — a page of
+//!    another site resolving its name to 127.0.0.1 (DNS rebinding) sends its own Host and is
+//!    refused.
+//!
+//! A source address with too many failed authentications is refused (429) before its
+//! credentials are looked at; an authenticated principal then spends one request of its rate
+//! budget (429 `rate_limited`). The principal's id goes to the access log.
 
 use std::future::Future;
+use std::net::IpAddr;
 use std::pin::Pin;
 
-use actix_web::{FromRequest, HttpRequest, dev::Payload, web};
+use actix_web::{FromRequest, HttpMessage, HttpRequest, dev::Payload, web};
 use agentloop_shared::auth::{self, Principal};
 
 use crate::AppState;
 use crate::error::ApiError;
+use crate::limits::Credential;
 
-/// The caller, resolved from `Authorization: Bearer <key>`, or — only when the development flag
-/// `DEV_LOOPBACK_PRINCIPAL` is on and the peer address is loopback — the `local` principal.
-/// Client-supplied actor fields are never consulted.
-pub struct Authenticated(pub Principal);
+/// Name of the session cookie.
+pub const SESSION_COOKIE: &str = "agentloop_session";
+/// The header a cookie-authenticated unsafe request must carry, and its value.
+pub const CSRF_HEADER: (&str, &str) = ("X-Requested-With", "agentloop");
+
+/// How a request was authenticated (`GET /api/session`'s `via`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    Bearer,
+    Session,
+    Loopback,
+}
+
+impl Via {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Bearer => "bearer",
+            Self::Session => "session",
+            Self::Loopback => "loopback",
+        }
+    }
+}
+
+/// The caller and how it was authenticated. `.0` is the principal; `.1` the credential (a key
+/// or session id; `None` for the loopback principal), which live-update connections register so
+/// that a revocation ends them.
+pub struct Authenticated(pub Principal, pub Option<Credential>, pub Via);
+
+/// The principal id of a request, for the access log (set by [`Authenticated`]).
+#[derive(Debug, Clone, Copy)]
+pub struct AccessPrincipal(pub uuid::Uuid);
+
+/// The client's address: the TCP peer, or — behind `TRUSTED_PROXY_HOPS` proxies — the address
+/// the outermost trusted proxy saw (that many entries from the right of `X-Forwarded-For`).
+pub fn client_ip(req: &HttpRequest, trusted_hops: usize) -> Option<IpAddr> {
+    let peer = req.peer_addr().map(|a| a.ip());
+    if trusted_hops == 0 {
+        return peer;
+    }
+    let forwarded: Vec<&str> = req
+        .headers()
+        .get_all("X-Forwarded-For")
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    match forwarded.len().checked_sub(trusted_hops) {
+        Some(i) => forwarded[i].parse().ok().or(peer),
+        None => forwarded.first().and_then(|s| s.parse().ok()).or(peer),
+    }
+}
+
+/// Whether the `Host` header names the loopback interface (`localhost`, `*.localhost`,
+/// `127.0.0.0/8`, `[::1]`, with any port).
+pub fn loopback_host(req: &HttpRequest) -> bool {
+    let Some(host) = req.headers().get(actix_web::http::header::HOST).and_then(|h| h.to_str().ok()) else {
+        return false;
+    };
+    let host = host.trim().to_ascii_lowercase();
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        rest.split(']').next().unwrap_or_default().to_owned()
+    } else {
+        host.rsplit_once(':').filter(|(_, port)| port.chars().all(|c| c.is_ascii_digit())).map_or(host.as_str(), |(h, _)| h).to_owned()
+    };
+    name == "localhost" || name.ends_with(".localhost") || name.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The bearer key of a present `Authorization` header (`Some("")` when malformed).
+fn bearer(req: &HttpRequest) -> Option<String> {
+    req.headers().get(actix_web::http::header::AUTHORIZATION).map(|h| {
+        h.to_str()
+            .ok()
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .map(|k| k.trim().to_owned())
+            .unwrap_or_default()
+    })
+}
+
+/// The session cookie's token, if the request carries one.
+pub fn session_token(req: &HttpRequest) -> Option<String> {
+    req.cookie(SESSION_COOKIE).map(|c| c.value().to_owned()).filter(|v| !v.is_empty())
+}
+
+/// Resolves the caller of `req` (see the module docs). `None` when the request carries no
+/// credential at all and is not a loopback development request.
+pub async fn authenticate(state: &AppState, req: &HttpRequest) -> Result<Option<Authenticated>, ApiError> {
+    let ip = client_ip(req, state.trusted_proxy_hops);
+    if let Some(ip) = ip {
+        state.limits.check_address(ip)?;
+    }
+    let failed = |state: &AppState| {
+        if let Some(ip) = ip {
+            state.limits.record_failure(ip);
+        }
+    };
+    let who = if let Some(key) = bearer(req) {
+        if key.is_empty() || key.len() > 256 {
+            failed(state);
+            return Err(ApiError::Unauthorized);
+        }
+        let mut conn = state.pool.get().await?;
+        let Some(found) = auth::authenticate_key(&mut conn, &key).await? else {
+            failed(state);
+            return Err(ApiError::Unauthorized);
+        };
+        if found.stale {
+            auth::touch_key(&mut conn, found.key_id).await?;
+        }
+        Authenticated(found.principal, Some(Credential::Key(found.key_id)), Via::Bearer)
+    } else if let Some(token) = session_token(req) {
+        if token.len() > 256 {
+            failed(state);
+            return Err(ApiError::Unauthorized);
+        }
+        let mut conn = state.pool.get().await?;
+        let Some(found) = auth::authenticate_session(&mut conn, &token).await? else {
+            failed(state);
+            return Err(ApiError::Unauthorized);
+        };
+        let safe = matches!(*req.method(), actix_web::http::Method::GET | actix_web::http::Method::HEAD);
+        let marked = req.headers().get(CSRF_HEADER.0).and_then(|v| v.to_str().ok()).is_some_and(|v| v.eq_ignore_ascii_case(CSRF_HEADER.1));
+        if !safe && !marked {
+            return Err(ApiError::Forbidden {
+                code: "csrf_header_missing",
+                message: format!("a request authenticated by the session cookie must carry {}: {}", CSRF_HEADER.0, CSRF_HEADER.1),
+            });
+        }
+        Authenticated(found.principal, Some(Credential::Session(found.session_id)), Via::Session)
+    } else {
+        let peer_loopback = req.peer_addr().is_some_and(|a| a.ip().is_loopback());
+        match &state.loopback_principal {
+            Some(principal) if peer_loopback && loopback_host(req) => Authenticated(principal.clone(), None, Via::Loopback),
+            _ => return Ok(None),
+        }
+    };
+    req.extensions_mut().insert(AccessPrincipal(who.0.id));
+    state.limits.check_request(who.0.id)?;
+    Ok(Some(who))
+}
 
 impl FromRequest for Authenticated {
     type Error = ApiError;
     type Future = Pin<Box<dyn Future<Output = Result<Self, ApiError>>>>;
 
     fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
-        let state = req.app_data::<web::Data<AppState>>().cloned();
-        // A present Authorization header must be a well-formed bearer key: only its absence
-        // may fall back to the loopback principal.
-        let header = req.headers().get(actix_web::http::header::AUTHORIZATION);
-        let bearer = header.map(|h| {
-            h.to_str()
-                .ok()
-                .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-                .map(|k| k.trim().to_owned())
-                .unwrap_or_default()
-        });
-        let loopback = req.peer_addr().is_some_and(|a| a.ip().is_loopback());
+        let req = req.clone();
         Box::pin(async move {
-            let state = state.ok_or_else(|| ApiError::Internal(anyhow::anyhow!("missing app state")))?;
-            match bearer {
-                Some(key) if key.is_empty() => Err(ApiError::Unauthorized),
-                Some(key) => {
-                    let mut conn = state.pool.get().await?;
-                    auth::principal_for_key(&mut conn, &key).await?.map(Authenticated).ok_or(ApiError::Unauthorized)
-                }
-                None => match (&state.loopback_principal, loopback) {
-                    (Some(principal), true) => Ok(Authenticated(principal.clone())),
-                    _ => Err(ApiError::Unauthorized),
-                },
-            }
+            let state = req.app_data::<web::Data<AppState>>().cloned().ok_or_else(|| ApiError::Internal(anyhow::anyhow!("missing app state")))?;
+            authenticate(&state, &req).await?.ok_or(ApiError::Unauthorized)
         })
+    }
+}
+
+/// The `Idempotency-Key` header: `None` when absent. A key that is present but unusable —
+/// not UTF-8, empty or only whitespace, over 200 characters — is refused with 400
+/// `invalid_idempotency_key`, never silently dropped: a client that believes it sent a key
+/// would otherwise post its turn twice on a retry.
+pub fn idempotency_key(req: &HttpRequest) -> Result<Option<String>, ApiError> {
+    let Some(value) = req.headers().get("Idempotency-Key") else { return Ok(None) };
+    let key = String::from_utf8(value.as_bytes().to_vec())
+        .map_err(|_| ApiError::bad_request("invalid_idempotency_key", "the Idempotency-Key header is not valid UTF-8"))?;
+    check_idempotency_key(&key)?;
+    Ok(Some(key))
+}
+
+/// The rule for any idempotency key (header or `commandId`): 1 to 200 characters, not only
+/// whitespace; 400 `invalid_idempotency_key` otherwise.
+pub fn check_idempotency_key(key: &str) -> Result<(), ApiError> {
+    if key.trim().is_empty() {
+        return Err(ApiError::bad_request("invalid_idempotency_key", "an idempotency key must not be empty; omit it to send without one"));
+    }
+    if key.len() > 200 {
+        return Err(ApiError::bad_request("invalid_idempotency_key", "idempotency keys are limited to 200 characters"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use actix_web::test::TestRequest;
+
+    use super::*;
+
+    #[test]
+    fn only_loopback_host_names_count_as_loopback() {
+        for host in ["localhost", "localhost:8080", "127.0.0.1:8080", "127.1.2.3", "[::1]:8080", "[::1]", "app.localhost:3000", "LOCALHOST"] {
+            assert!(loopback_host(&TestRequest::default().insert_header(("Host", host)).to_http_request()), "{host}");
+        }
+        for host in ["evil.example", "evil.example:8080", "127.0.0.1.evil.example", "localhost.evil.example", "10.0.0.1", "[::2]:80", ""] {
+            assert!(!loopback_host(&TestRequest::default().insert_header(("Host", host)).to_http_request()), "{host}");
+        }
+    }
+
+    #[test]
+    fn forwarded_addresses_are_taken_from_the_trusted_hops_only() {
+        let req = TestRequest::default()
+            .peer_addr("10.0.0.2:1234".parse().unwrap())
+            .insert_header(("X-Forwarded-For", "6.6.6.6, 1.2.3.4"))
+            .to_http_request();
+        assert_eq!(client_ip(&req, 0), Some("10.0.0.2".parse().unwrap()), "not trusted: the peer");
+        assert_eq!(client_ip(&req, 1), Some("1.2.3.4".parse().unwrap()), "the address our proxy saw, not the spoofable left one");
+        assert_eq!(client_ip(&req, 2), Some("6.6.6.6".parse().unwrap()));
     }
 }

@@ -2,10 +2,16 @@
 //! and commands, enqueues runs, serves reads, streams updates (SSE, long-poll) and the web UI.
 //! It never calls a model, runs a tool or holds a run.
 
+pub mod budget;
 pub mod error;
 pub mod extract;
 pub mod hub;
+pub mod limits;
+pub mod mcp;
+pub mod middleware;
 pub mod openapi;
+pub mod openapi_protocols;
+pub mod reads;
 pub mod routes;
 pub mod validate;
 pub mod views;
@@ -54,13 +60,129 @@ pub struct ApiConfig {
     #[arg(long, env = "LONG_POLL_TIMEOUT_MS", default_value = "25000", value_parser = parse_millis)]
     pub long_poll_timeout: Duration,
 
+    /// Connections of the command pool (the durable write path); reads use `DB_POOL_SIZE`.
+    #[arg(long, env = "DB_COMMAND_POOL_SIZE", default_value_t = 4)]
+    pub db_command_pool_size: usize,
+
     /// Maximum JSON request body in bytes.
     #[arg(long, env = "API_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
     pub max_body_bytes: usize,
 
+    /// The workers' lease duration in ms (`WORKER_LEASE_MS`, read here only to judge a running
+    /// run's liveness for clients: `GET /api/runs/{id}` `liveness`).
+    #[arg(long = "worker-lease-ms", env = "WORKER_LEASE_MS", default_value = "15000", value_parser = parse_millis)]
+    pub worker_lease: Duration,
+
+    /// The workers' lease renewal interval in ms (`WORKER_RENEW_MS`; liveness only, as above).
+    #[arg(long = "worker-renew-ms", env = "WORKER_RENEW_MS", default_value = "5000", value_parser = parse_millis)]
+    pub worker_renew: Duration,
+
+    /// A queued run no worker claimed for longer than this (ms) is reported `unclaimed`.
+    #[arg(long, env = "UNCLAIMED_AFTER_MS", default_value = "10000", value_parser = parse_millis)]
+    pub unclaimed_after: Duration,
+
     /// HTTP worker threads (default: number of CPUs).
     #[arg(long, env = "API_WORKERS")]
     pub http_workers: Option<usize>,
+
+    /// On SIGTERM/SIGINT, ms during which `/readyz` answers 503 `draining` while everything is
+    /// still served, so load balancers stop routing here before the listener closes; then
+    /// in-flight requests get 5 s to finish. A second signal stops at once.
+    #[arg(long, env = "API_SHUTDOWN_DRAIN_MS", default_value = "5000", value_parser = parse_millis)]
+    pub shutdown_drain: Duration,
+    /// Lease in ms of a `POST /v1/chat/completions` request on its hidden thread (renewed every
+    /// third of it while the request is open); when this process dies the workers' sweep cancels
+    /// and deletes the hidden threads whose lease expired.
+    #[arg(long, env = "OPENAI_REQUEST_LEASE_MS", default_value = "30000", value_parser = parse_millis)]
+    pub openai_request_lease: Duration,
+
+    /// Largest `POST /api/threads/import` body in bytes (also the bound of one message).
+    #[arg(long, env = "IMPORT_MAX_BYTES", default_value_t = 16 * 1024 * 1024)]
+    pub import_max_bytes: usize,
+
+    /// Most messages one import may hold.
+    #[arg(long, env = "IMPORT_MAX_MESSAGES", default_value_t = 10_000)]
+    pub import_max_messages: usize,
+    #[command(flatten)]
+    pub hostile: HostileArgs,
+
+    #[command(flatten)]
+    pub webhooks: agentloop_shared::webhooks::WebhookArgs,
+
+    /// Webhooks per principal (global, counted in PostgreSQL); 429 `too_many_webhooks` above.
+    #[arg(long, env = "WEBHOOK_MAX_PER_PRINCIPAL", default_value_t = 20)]
+    pub webhook_max_per_principal: u32,
+}
+
+/// Bounds against hostile clients (issue 10): rates, per-principal limits, the live-update
+/// hub's memory, timeouts. Which are per process and which global: `limits.rs`, README.
+#[derive(Debug, Clone, clap::Args)]
+pub struct HostileArgs {
+    /// Sustained requests per second per principal (per api process); 429 `rate_limited` above.
+    #[arg(long, env = "API_RATE_PER_SECOND", default_value_t = 20)]
+    pub rate_per_second: u32,
+    /// Requests a principal may send at once above the sustained rate (per api process).
+    #[arg(long, env = "API_RATE_BURST", default_value_t = 100)]
+    pub rate_burst: u32,
+    /// Failed authentications per minute per source address (IPv6: per /64) before it gets 429
+    /// `too_many_failed_auth` (per api process).
+    #[arg(long, env = "AUTH_FAILURES_PER_MINUTE", default_value_t = 20)]
+    pub auth_failures_per_minute: u32,
+    /// Number of reverse proxies in front of the api whose `X-Forwarded-For` entries are
+    /// trusted (0: the TCP peer is the client).
+    #[arg(long, env = "TRUSTED_PROXY_HOPS", default_value_t = 0)]
+    pub trusted_proxy_hops: usize,
+    /// Open SSE/long-poll connections per principal (per api process).
+    #[arg(long, env = "LIVE_MAX_PER_PRINCIPAL", default_value_t = 32)]
+    pub live_per_principal: usize,
+    /// Open SSE/long-poll connections of this api process in all.
+    #[arg(long, env = "LIVE_MAX_CONNECTIONS", default_value_t = 10_000)]
+    pub live_total: usize,
+    /// Runs in queued|running|waiting_approval|blocked per principal (global, counted in
+    /// PostgreSQL); 429 `too_many_active_runs` above.
+    #[arg(long, env = "MAX_ACTIVE_RUNS_PER_PRINCIPAL", default_value_t = 16)]
+    pub max_active_runs: u32,
+    /// Pending turns (waiting behind an active run) per principal (global); 429
+    /// `too_many_queued_turns` above.
+    #[arg(long, env = "MAX_QUEUED_TURNS_PER_PRINCIPAL", default_value_t = 64)]
+    pub max_queued_turns: u32,
+    /// Threads (not deleted) per principal (global); 429 `too_many_threads` above.
+    #[arg(long, env = "MAX_THREADS_PER_PRINCIPAL", default_value_t = 10_000)]
+    pub max_threads: u32,
+    /// Bytes of request bodies this api process holds at once (see `budget.rs`): a request
+    /// with a body takes its `Content-Length` of it (a chunked one its whole body limit) until
+    /// its route has answered; beyond it requests wait, at most `API_BODY_TIMEOUT_MS`, then get
+    /// 503 `server_busy`.
+    #[arg(long, env = "MAX_BODY_BYTES_IN_FLIGHT", default_value_t = 32 * 1024 * 1024)]
+    pub max_body_bytes_in_flight: usize,
+    /// A request body must arrive within this many ms (408 `body_timeout`; it is also the
+    /// longest wait for the body budget, 503 `server_busy`).
+    #[arg(long, env = "API_BODY_TIMEOUT_MS", default_value = "10000", value_parser = parse_millis)]
+    pub body_timeout: Duration,
+    /// Longest long-poll wait in ms (a larger `timeoutMs` is cut to it).
+    #[arg(long, env = "LONG_POLL_MAX_MS", default_value = "60000", value_parser = parse_millis)]
+    pub long_poll_max: Duration,
+    /// An SSE stream is closed after this many ms (0: never); clients resume with
+    /// `Last-Event-ID`. Lets load balancers rebalance long-lived connections.
+    #[arg(long, env = "SSE_MAX_STREAM_MS", default_value = "0", value_parser = parse_millis)]
+    pub sse_max_stream: Duration,
+    /// How often open live-update connections are checked for revoked or expired keys and
+    /// ended sessions, in ms.
+    #[arg(long, env = "REVOCATION_CHECK_MS", default_value = "2000", value_parser = parse_millis)]
+    pub revocation_check: Duration,
+    /// Browser sessions (`POST /api/session`) last this many ms.
+    #[arg(long, env = "SESSION_TTL_MS", default_value = "604800000", value_parser = parse_millis)]
+    pub session_ttl: Duration,
+    /// Bytes of journal events the live-update hub caches in all.
+    #[arg(long, env = "HUB_CACHE_BYTES", default_value_t = 16 * 1024 * 1024)]
+    pub hub_cache_bytes: usize,
+    /// Bytes of journal events the hub caches per thread.
+    #[arg(long, env = "HUB_THREAD_CACHE_BYTES", default_value_t = 512 * 1024)]
+    pub hub_thread_cache_bytes: usize,
+    /// A live event whose payload is larger is sent slimmed (large members left out, listed in
+    /// `omitted`; the client re-reads the row).
+    #[arg(long, env = "LIVE_EVENT_MAX_BYTES", default_value_t = 64 * 1024)]
+    pub live_event_max_bytes: usize,
 }
 
 /// Live-update transports (SPEC §10).
@@ -97,7 +219,10 @@ impl Transport {
 
 /// Shared state of every handler.
 pub struct AppState {
+    /// Reads.
     pub pool: PgPool,
+    /// Commands (the durable write path: one step function call each).
+    pub store: agentloop_shared::store::Store,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     pub catalog: ModelCatalog,
     pub hub: Arc<hub::Hub>,
@@ -105,6 +230,39 @@ pub struct AppState {
     pub transport: Transport,
     pub sse_heartbeat: Duration,
     pub long_poll_timeout: Duration,
+    /// Set from SIGTERM until exit: `/readyz` fails so load balancers drain this process.
+    pub draining: std::sync::atomic::AtomicBool,
+    /// Longest long-poll wait.
+    pub long_poll_max: Duration,
+    /// SSE streams end after this (zero: never).
+    pub sse_max_stream: Duration,
+    /// Rate limits and the registry of open live-update connections.
+    pub limits: Arc<limits::Limits>,
+    /// `TRUSTED_PROXY_HOPS`.
+    pub trusted_proxy_hops: usize,
+    /// `API_MAX_BODY_BYTES`.
+    pub max_body_bytes: usize,
+    /// `API_BODY_TIMEOUT_MS`.
+    pub body_timeout: Duration,
+    /// `MAX_BODY_BYTES_IN_FLIGHT`.
+    pub body_budget: budget::BodyBudget,
+    /// `IMPORT_MAX_BYTES`: the body limit of `POST /api/threads/import`.
+    pub import_max_bytes: usize,
+    /// `SESSION_TTL_MS`.
+    pub session_ttl: Duration,
+    /// Liveness thresholds (ms): the workers' lease and renewal interval, and how long a queued
+    /// run may wait before it is reported `unclaimed`.
+    pub liveness: Liveness,
+    /// Webhook settings (secrets key, private targets, per-principal bound).
+    pub webhooks: routes::webhooks::WebhookState,
+}
+
+/// Liveness thresholds of `GET /api/runs/{id}` (ms).
+#[derive(Debug, Clone, Copy)]
+pub struct Liveness {
+    pub lease_ms: i64,
+    pub renew_ms: i64,
+    pub unclaimed_ms: i64,
 }
 
 /// A bound, not yet running API server.
@@ -112,6 +270,8 @@ pub struct Application {
     port: u16,
     server: Server,
     shutdown: CancellationToken,
+    state: web::Data<AppState>,
+    drain: Duration,
 }
 
 impl Application {
@@ -122,6 +282,24 @@ impl Application {
             db::run_migrations(&config.db.database_url).await.context("migrating")?;
         }
         let pool = db::build_pool(&config.db.database_url, config.db.db_pool_size, "agentloop-api", Duration::from_secs(10))?;
+        let h = &config.hostile;
+        // Per-principal bounds counted in PostgreSQL travel as session settings of the command
+        // connections (`migrations/…000006_hostile_clients`).
+        let limit_options = format!(
+            "-c agentloop.max_active_runs={} -c agentloop.max_queued_turns={} -c agentloop.max_threads={}",
+            h.max_active_runs, h.max_queued_turns, h.max_threads
+        );
+        let store = agentloop_shared::store::Store::with_options(
+            &agentloop_shared::store::PoolSettings {
+                database_url: config.db.database_url.clone(),
+                application_name: "agentloop-api".into(),
+                statement_timeout: Duration::from_secs(10),
+                max_size: config.db_command_pool_size,
+                wait_timeout: Duration::from_secs(5),
+            },
+            agentloop_shared::store::Timing { call_timeout: Duration::from_secs(10), retry_for: Duration::from_secs(5) },
+            &limit_options,
+        )?;
         let catalog = match config.models.catalog() {
             Ok(catalog) => catalog,
             Err(error) => {
@@ -138,17 +316,60 @@ impl Application {
         };
         agentloop_shared::tokens::warm_up().await;
         let shutdown = CancellationToken::new();
-        let hub = Arc::new(hub::Hub::default());
+        let hub = Arc::new(hub::Hub::new(hub::HubBounds {
+            total_bytes: h.hub_cache_bytes,
+            thread_bytes: h.hub_thread_cache_bytes,
+            event_bytes: h.live_event_max_bytes,
+        }));
+        tokio::spawn(hub.clone().sweep(shutdown.clone()));
+        let limits = Arc::new(limits::Limits::new(limits::LimitSettings {
+            rate_per_second: h.rate_per_second,
+            rate_burst: h.rate_burst,
+            auth_failures_per_minute: h.auth_failures_per_minute,
+            live_per_principal: h.live_per_principal,
+            live_total: h.live_total,
+        }));
         tokio::spawn(hub.clone().run(config.db.database_url.clone(), shutdown.clone()));
         let state = web::Data::new(AppState {
             pool,
+            store,
             metrics: agentloop_shared::telemetry::metrics::install(),
             catalog,
             hub,
             loopback_principal,
             transport: Transport::parse(&config.events_transport),
             sse_heartbeat: config.sse_heartbeat,
-            long_poll_timeout: config.long_poll_timeout,
+            long_poll_timeout: config.long_poll_timeout.min(h.long_poll_max),
+            long_poll_max: h.long_poll_max,
+            sse_max_stream: h.sse_max_stream,
+            limits,
+            trusted_proxy_hops: h.trusted_proxy_hops,
+            max_body_bytes: config.max_body_bytes,
+            body_timeout: h.body_timeout,
+            body_budget: budget::BodyBudget::new(h.max_body_bytes_in_flight),
+            import_max_bytes: config.import_max_bytes,
+            session_ttl: h.session_ttl,
+            liveness: Liveness {
+                lease_ms: config.worker_lease.as_millis() as i64,
+                renew_ms: config.worker_renew.as_millis() as i64,
+                unclaimed_ms: config.unclaimed_after.as_millis() as i64,
+            },
+            draining: std::sync::atomic::AtomicBool::new(false),
+            webhooks: routes::webhooks::WebhookState {
+                key: config.webhooks.secrets_key().context("WEBHOOK_SECRETS_KEY")?,
+                allow_private: config.webhooks.webhook_allow_private_targets,
+                max_per_principal: config.webhook_max_per_principal,
+            },
+        });
+        let app_state = state.clone();
+        tokio::spawn(limits::revocation_loop(state.clone(), h.revocation_check, shutdown.clone()));
+        let hidden = routes::openai::hidden::HiddenRequests::new(state.store.clone(), state.pool.clone(), config.openai_request_lease);
+        tokio::spawn(hidden.clone().keeper(shutdown.clone()));
+        let hidden = web::Data::from(hidden);
+        let mcp = web::Data::new(mcp::service(state.clone(), config.max_body_bytes));
+        let import_limits = web::Data::new(routes::threads::import_thread::ImportLimits {
+            max_bytes: config.import_max_bytes,
+            max_messages: config.import_max_messages,
         });
         let listener = TcpListener::bind(&config.listen).with_context(|| format!("binding {}", config.listen))?;
         let port = listener.local_addr()?.port();
@@ -156,20 +377,28 @@ impl Application {
         let mut server = HttpServer::new(move || {
             App::new()
                 .app_data(state.clone())
+                .app_data(hidden.clone())
+                .app_data(mcp.clone())
+                .app_data(import_limits.clone())
                 .app_data(web::JsonConfig::default().limit(max_body).error_handler(error::json_error))
                 .app_data(web::QueryConfig::default().error_handler(error::query_error))
                 .app_data(web::PathConfig::default().error_handler(error::path_error))
-                .wrap(tracing_actix_web::TracingLogger::default())
+                .wrap(actix_web::middleware::from_fn(middleware::edge))
+                // Outermost: OpenAI's error shape on `/v1/*` for every error, also the edge's
+                // own refusals (415, invalid JSON, 413) and unknown `/v1/` paths (issue 12).
+                .wrap(actix_web::middleware::from_fn(routes::openai::openai_errors))
                 .configure(routes::configure)
         })
         .shutdown_timeout(5)
         // SSE events are small writes: without TCP_NODELAY each waits ~35 ms for Nagle/delayed ACK.
         .tcp_nodelay(true)
+        // Signals are handled by `run_until_stopped` (drain first, then stop).
+        .disable_signals()
         .listen(listener)?;
         if let Some(workers) = config.http_workers {
             server = server.workers(workers);
         }
-        Ok(Self { port, server: server.run(), shutdown })
+        Ok(Self { port, server: server.run(), shutdown, state: app_state, drain: config.shutdown_drain })
     }
 
     /// The bound port.
@@ -177,10 +406,60 @@ impl Application {
         self.port
     }
 
-    /// Serves until the server stops (SIGTERM/SIGINT are handled by actix).
+    /// Serves until SIGTERM/SIGINT: then `/readyz` fails for `API_SHUTDOWN_DRAIN_MS` while
+    /// everything else is still served (load balancers take the process out of rotation), then
+    /// the listener closes and in-flight requests get 5 s (SSE streams end; clients resume on
+    /// another process with `Last-Event-ID`). A second signal skips the drain.
     pub async fn run_until_stopped(self) -> std::io::Result<()> {
+        let handle = self.server.handle();
+        let (state, drain) = (self.state.clone(), self.drain);
+        tokio::spawn(async move {
+            use tokio::signal::unix::{SignalKind, signal};
+            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+                tracing::error!("cannot handle SIGTERM/SIGINT");
+                return;
+            };
+            tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+            state.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+            metrics::gauge!("agentloop_draining").set(1.0);
+            tracing::info!(drain_ms = drain.as_millis() as u64, "shutting down: /readyz fails while load balancers drain this process");
+            tokio::select! {
+                _ = tokio::time::sleep(drain) => {}
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            tracing::info!("closing the listener; in-flight requests get 5 s");
+            handle.stop(true).await;
+        });
         let result = self.server.await;
         self.shutdown.cancel();
         result
     }
+}
+
+impl AppState {
+    /// How a new run picks its model: `requested` (already validated), else the thread's, else
+    /// the server's default, refused at once when the server does not configure it.
+    pub fn model_choice(&self, requested: Option<String>) -> agentloop_shared::commands::ModelChoice {
+        agentloop_shared::commands::ModelChoice {
+            model: requested,
+            default_model: self.catalog.default_model().map(|m| m.id.clone()),
+            models: self.catalog.models.iter().map(|m| m.id.clone()).collect(),
+        }
+    }
+}
+
+/// A user turn's content with its accounting (tokens: 4 per message plus the text's estimate).
+pub fn turn(content: &serde_json::Value) -> agentloop_shared::commands::Turn {
+    let text = agentloop_shared::messages::content_text(content);
+    let message = agentloop_shared::messages::NewMessage {
+        role: agentloop_shared::messages::role::USER.into(),
+        content: content.clone(),
+        tool_calls: None,
+        tool_call_id: None,
+        reasoning: None,
+        token_estimate: (4 + agentloop_shared::tokens::estimate_text(&text)) as i32,
+        stopped: false,
+    };
+    agentloop_shared::commands::Turn { byte_size: message.byte_size(), token_estimate: message.token_estimate, content: content.clone() }
 }

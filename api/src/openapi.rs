@@ -1,229 +1,222 @@
-//! The OpenAPI document served at `GET /openapi.json` (SPEC §13), built with `utoipa`.
+//! The OpenAPI 3.1 document served at `GET /openapi.json` (SPEC §13; issue 10 point 6).
 //!
-//! The derive supplies the document shell; [`RouteTable`] adds one operation per route of
-//! `routes::configure` (same methods and paths), the bearer security scheme and the error
-//! envelope `{"error":{"code","message"}}`. Keep [`ROUTES`] in step with the route table.
+//! Every operation comes from its handler's `#[utoipa::path]` (typed request and response
+//! bodies, parameters with their bounds, the statuses particular to the route); [`Common`] then
+//! adds what every route shares, so no route can forget it:
+//! - the security schemes (`bearer`: `Authorization: Bearer <key>`; `session`: the
+//!   `agentloop_session` cookie) on every `/api` and `/v1` operation that does not say otherwise;
+//! - the statuses the edge and the extractors can send: 400 and 431 everywhere; 408, 413 and
+//!   415 and 503 (`server_busy`) with a request body; 401, 403 and 429 when authenticated; 404
+//!   with path parameters; 503 wherever the database is read — all with the error envelope;
+//! - `links` between create and read operations, for stateful contract tests.
+//!
+//! `tests/tests/contract.rs` checks that the document and the route table
+//! ([`crate::routes::routes`]) list exactly the same operations, and runs schemathesis against
+//! a live api.
 
-use actix_web::HttpResponse;
-use utoipa::openapi::path::{HttpMethod, OperationBuilder, ParameterBuilder, ParameterIn};
-use utoipa::openapi::request_body::RequestBodyBuilder;
-use utoipa::openapi::schema::{ArrayBuilder, KnownFormat, ObjectBuilder, SchemaFormat, Type};
-use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
-use utoipa::openapi::{Components, Content, Ref, RefOr, Required, ResponseBuilder, Schema};
+use actix_web::{HttpResponse, web};
+use utoipa::openapi::link::LinkBuilder;
+use utoipa::openapi::path::Operation;
+use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
+use utoipa::openapi::{Components, Content, Ref, RefOr, Response, ResponseBuilder};
 use utoipa::{Modify, OpenApi};
+
+use crate::routes;
+use crate::openapi_protocols::Protocols;
 
 /// The document (OpenAPI 3.1).
 #[derive(OpenApi)]
 #[openapi(
     info(title = "agentloop", description = "agentloop HTTP API: threads, chat commands, reads, SSE and long-poll"),
-    modifiers(&RouteTable)
+    paths(
+        routes::health::healthz,
+        routes::health::readyz,
+        routes::health::metrics,
+        routes::ui::index,
+        routes::ui::asset,
+        routes::search::search_threads::search_threads,
+        routes::messages::list_branches::list_branches,
+        routes::messages::activate_branch::activate_branch,
+        routes::threads::restore_thread::restore_thread,
+        routes::threads::export_thread::export_thread,
+        openapi_json,
+        routes::session::create_session::create_session,
+        routes::session::get_session::get_session,
+        routes::session::delete_session::delete_session,
+        routes::models::list_models::list_models,
+        routes::threads::create_thread::create_thread,
+        routes::threads::list_threads::list_threads,
+        routes::threads::get_thread::get_thread,
+        routes::threads::update_thread::update_thread,
+        routes::threads::delete_thread::delete_thread,
+        routes::threads::list_messages::list_messages,
+        routes::chat::post_chat::post_chat,
+        routes::threads::cancel_thread::cancel_thread,
+        routes::threads::compact_thread::compact_thread,
+        routes::threads::get_context::get_context,
+        routes::messages::edit_message::edit_message,
+        routes::messages::regenerate_message::regenerate_message,
+        routes::messages::delete_message::delete_message,
+        routes::updates::stream_updates::stream_updates,
+        routes::updates::poll_updates::poll_updates,
+        routes::runs::get_run::get_run,
+        routes::runs::cancel_run::cancel_run,
+        routes::approvals::list_approvals::list_approvals,
+        routes::approvals::approve_approval::approve_approval,
+        routes::approvals::reject_approval::reject_approval,
+        routes::operations::list_operations::list_operations,
+        routes::operations::resolve_operation::resolve_operation,
+        routes::webhooks::create_webhook::create_webhook,
+        routes::webhooks::list_webhooks::list_webhooks,
+        routes::webhooks::get_webhook::get_webhook,
+        routes::webhooks::delete_webhook::delete_webhook,
+        routes::webhooks::list_deliveries::list_deliveries,
+    ),
+    components(schemas(crate::views::ErrorBody)),
+    modifiers(&Protocols, &Common)
 )]
 pub struct ApiDoc;
 
-/// `GET /openapi.json` (no auth).
-pub async fn openapi_json() -> HttpResponse {
-    HttpResponse::Ok().json(ApiDoc::openapi())
+/// `GET /openapi.json` (no auth). The long-poll wait bound is the server's configured
+/// `LONG_POLL_MAX_MS`.
+#[utoipa::path(get, path = "/openapi.json", tag = "meta", operation_id = "openapi", security(()),
+    responses((status = 200, description = "This OpenAPI document", content_type = "application/json", body = Object)))]
+pub async fn openapi_json(state: web::Data<crate::AppState>) -> HttpResponse {
+    let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
+    let max = state.long_poll_max.as_millis() as u64;
+    if let Some(params) = doc.pointer_mut("/paths/~1api~1threads~1{id}~1updates/get/parameters").and_then(|p| p.as_array_mut()) {
+        for param in params.iter_mut().filter(|p| p["name"] == "timeoutMs") {
+            param["schema"]["maximum"] = max.into();
+        }
+    }
+    HttpResponse::Ok().json(doc)
 }
 
 const BEARER: &str = "bearer";
-const ERROR: &str = "Error";
+const SESSION: &str = "session";
 
-#[derive(Clone, Copy)]
-enum Kind {
-    Str,
-    Int,
-    Bool,
-    DateTime,
-    /// A JSON object with any members.
-    Obj,
-    /// Any JSON value (message content: a string or an array of parts).
-    Any,
-    /// An array of JSON objects.
-    Objs,
+/// An error response with `envelope` (`Error`; `OpenAiError` on `/v1/*`) as its body.
+fn error(description: &str, envelope: &str) -> Response {
+    ResponseBuilder::new()
+        .description(description)
+        .content("application/json", Content::new(Some(Ref::from_schema_name(envelope))))
+        .build()
 }
 
-#[derive(Clone, Copy)]
-enum Out {
-    Json,
-    NoContent,
-    Sse,
-    Text,
-    Html,
+fn add_default(op: &mut Operation, envelope: &str, status: &str, description: &str) {
+    op.responses.responses.entry(status.to_owned()).or_insert_with(|| RefOr::T(error(description, envelope)));
 }
 
-/// A request body: its members (name, kind, required) and whether the body itself is required.
-type Body = Option<(&'static [(&'static str, Kind, bool)], bool)>;
+/// Adds what every operation shares (see the module docs).
+struct Common;
 
-struct Route {
-    method: HttpMethod,
-    path: &'static str,
-    id: &'static str,
-    tag: &'static str,
-    summary: &'static str,
-    auth: bool,
-    query: &'static [(&'static str, Kind)],
-    body: Body,
-    ok: (&'static str, &'static str, Out),
-    errors: &'static [&'static str],
-}
-
-const THREAD_FIELDS: &[(&str, Kind, bool)] = &[("title", Kind::Str, false), ("model", Kind::Str, false), ("metadata", Kind::Obj, false)];
-const RUN_OPTIONS: &[(&str, Kind, bool)] = &[("maxSteps", Kind::Int, false), ("model", Kind::Str, false)];
-
-/// Every route of `routes::configure`.
-#[rustfmt::skip]
-const ROUTES: &[Route] = &[
-    Route { method: HttpMethod::Get, path: "/healthz", id: "healthz", tag: "health", summary: "Liveness", auth: false, query: &[], body: None, ok: ("200", "`{\"status\":\"ok\"}`", Out::Json), errors: &[] },
-    Route { method: HttpMethod::Get, path: "/readyz", id: "readyz", tag: "health", summary: "Readiness (database reachable)", auth: false, query: &[], body: None, ok: ("200", "`{\"status\":\"ready\"}`", Out::Json), errors: &["503"] },
-    Route { method: HttpMethod::Get, path: "/metrics", id: "metrics", tag: "health", summary: "Prometheus metrics", auth: false, query: &[], body: None, ok: ("200", "Prometheus text exposition", Out::Text), errors: &[] },
-    Route { method: HttpMethod::Get, path: "/", id: "ui_index", tag: "ui", summary: "Web UI", auth: false, query: &[], body: None, ok: ("200", "The web UI page", Out::Html), errors: &[] },
-    Route { method: HttpMethod::Get, path: "/openapi.json", id: "openapi", tag: "meta", summary: "This OpenAPI document", auth: false, query: &[], body: None, ok: ("200", "OpenAPI document", Out::Json), errors: &[] },
-    Route { method: HttpMethod::Post, path: "/v1/chat/completions", id: "chat_completions", tag: "openai", summary: "OpenAI-compatible chat completion (non-streaming); other request fields are ignored", auth: true, query: &[],
-        body: Some((&[("model", Kind::Str, false), ("messages", Kind::Objs, true), ("stream", Kind::Bool, false)], true)), ok: ("200", "`chat.completion` object", Out::Json), errors: &["400", "401", "413", "502", "504"] },
-    Route { method: HttpMethod::Get, path: "/api/models", id: "list_models", tag: "models", summary: "List models", auth: true, query: &[], body: None, ok: ("200", "`{models}`", Out::Json), errors: &["401"] },
-    Route { method: HttpMethod::Post, path: "/api/threads", id: "create_thread", tag: "threads", summary: "Create a thread", auth: true, query: &[], body: Some((THREAD_FIELDS, true)), ok: ("201", "The thread", Out::Json), errors: &["400", "401", "413"] },
-    Route { method: HttpMethod::Get, path: "/api/threads", id: "list_threads", tag: "threads", summary: "List threads", auth: true, query: &[("limit", Kind::Int), ("cursor", Kind::Str)], body: None, ok: ("200", "`{threads, nextCursor}`", Out::Json), errors: &["400", "401"] },
-    Route { method: HttpMethod::Get, path: "/api/threads/{id}", id: "get_thread", tag: "threads", summary: "Get a thread", auth: true, query: &[], body: None, ok: ("200", "The thread", Out::Json), errors: &["401", "404"] },
-    Route { method: HttpMethod::Patch, path: "/api/threads/{id}", id: "update_thread", tag: "threads", summary: "Update a thread's title, model or metadata", auth: true, query: &[], body: Some((THREAD_FIELDS, true)), ok: ("200", "The thread", Out::Json), errors: &["400", "401", "404", "413"] },
-    Route { method: HttpMethod::Delete, path: "/api/threads/{id}", id: "delete_thread", tag: "threads", summary: "Delete a thread", auth: true, query: &[], body: None, ok: ("204", "Deleted", Out::NoContent), errors: &["401", "404", "409"] },
-    Route { method: HttpMethod::Get, path: "/api/threads/{id}/messages", id: "list_messages", tag: "threads", summary: "Page through a thread's messages", auth: true,
-        query: &[("before", Kind::Int), ("after", Kind::Int), ("take", Kind::Int), ("maxBytes", Kind::Int)], body: None, ok: ("200", "A page of messages", Out::Json), errors: &["400", "401", "404"] },
-    Route { method: HttpMethod::Post, path: "/api/threads/{id}/chat", id: "post_chat", tag: "chat", summary: "Post a user message and enqueue a run (`Idempotency-Key` header or `commandId`)", auth: true, query: &[],
-        body: Some((&[("content", Kind::Any, true), ("commandId", Kind::Str, false), ("multitask", Kind::Str, false), ("maxSteps", Kind::Int, false), ("model", Kind::Str, false)], true)),
-        ok: ("202", "The message and the run", Out::Json), errors: &["400", "401", "404", "409", "413"] },
-    Route { method: HttpMethod::Post, path: "/api/threads/{id}/cancel", id: "cancel_thread", tag: "threads", summary: "Cancel the thread's active and pending runs", auth: true, query: &[], body: None, ok: ("200", "`{runs}`", Out::Json), errors: &["401", "404"] },
-    Route { method: HttpMethod::Post, path: "/api/threads/{id}/compact", id: "compact_thread", tag: "threads", summary: "Compact into a new thread", auth: true, query: &[], body: None, ok: ("201", "The new thread and its compaction run", Out::Json), errors: &["401", "404", "409"] },
-    Route { method: HttpMethod::Get, path: "/api/threads/{id}/context", id: "get_context", tag: "threads", summary: "The model context of a thread", auth: true, query: &[], body: None, ok: ("200", "The context", Out::Json), errors: &["401", "404"] },
-    Route { method: HttpMethod::Post, path: "/api/threads/{id}/messages/{sequence}/edit", id: "edit_message", tag: "messages", summary: "Edit a user message and rerun from it", auth: true, query: &[],
-        body: Some((&[("content", Kind::Any, true), ("maxSteps", Kind::Int, false), ("model", Kind::Str, false)], true)), ok: ("202", "The message and the run", Out::Json), errors: &["400", "401", "404", "409", "413"] },
-    Route { method: HttpMethod::Post, path: "/api/threads/{id}/messages/{sequence}/regenerate", id: "regenerate_message", tag: "messages", summary: "Regenerate the answer from a message", auth: true, query: &[],
-        body: Some((RUN_OPTIONS, false)), ok: ("202", "The run", Out::Json), errors: &["400", "401", "404", "409", "413"] },
-    Route { method: HttpMethod::Delete, path: "/api/threads/{id}/messages/{sequence}", id: "delete_message", tag: "messages", summary: "Delete messages from a sequence on", auth: true, query: &[], body: None, ok: ("200", "What was deleted", Out::Json), errors: &["401", "404", "409"] },
-    Route { method: HttpMethod::Get, path: "/api/threads/{id}/updates/stream", id: "stream_updates", tag: "updates", summary: "Server-sent events of a thread (`Last-Event-ID` wins over `afterSequence`)", auth: true,
-        query: &[("afterSequence", Kind::Int)], body: None, ok: ("200", "An SSE stream", Out::Sse), errors: &["401", "404", "503"] },
-    Route { method: HttpMethod::Get, path: "/api/threads/{id}/updates", id: "poll_updates", tag: "updates", summary: "Long-poll a thread's events", auth: true,
-        query: &[("afterSequence", Kind::Int), ("timeoutMs", Kind::Int)], body: None, ok: ("200", "`{events, nextSequence, reset}`", Out::Json), errors: &["400", "401", "404", "503"] },
-    Route { method: HttpMethod::Get, path: "/api/runs/{id}", id: "get_run", tag: "runs", summary: "Get a run", auth: true, query: &[], body: None, ok: ("200", "The run", Out::Json), errors: &["401", "404"] },
-    Route { method: HttpMethod::Post, path: "/api/runs/{id}/cancel", id: "cancel_run", tag: "runs", summary: "Cancel a run", auth: true, query: &[], body: None, ok: ("200", "The run", Out::Json), errors: &["401", "404"] },
-    Route { method: HttpMethod::Get, path: "/api/threads/{id}/approvals", id: "list_approvals", tag: "approvals", summary: "List a thread's approvals", auth: true,
-        query: &[("status", Kind::Str), ("limit", Kind::Int)], body: None, ok: ("200", "`{approvals}`", Out::Json), errors: &["400", "401", "404"] },
-    Route { method: HttpMethod::Post, path: "/api/approvals/{id}/approve", id: "approve_approval", tag: "approvals", summary: "Approve a pending tool call (optionally with edited arguments)", auth: true, query: &[],
-        body: Some((&[("arguments", Kind::Obj, false)], false)), ok: ("200", "The approval and its run", Out::Json), errors: &["400", "401", "404", "409", "413"] },
-    Route { method: HttpMethod::Post, path: "/api/approvals/{id}/reject", id: "reject_approval", tag: "approvals", summary: "Reject a pending tool call", auth: true, query: &[],
-        body: Some((&[("reason", Kind::Str, false)], false)), ok: ("200", "The approval and its run", Out::Json), errors: &["400", "401", "404", "409", "413"] },
-    Route { method: HttpMethod::Get, path: "/api/runs/{id}/operations", id: "list_operations", tag: "operations", summary: "A run's tool operations", auth: true, query: &[], body: None, ok: ("200", "`{run, operations}`", Out::Json), errors: &["401", "404"] },
-    Route { method: HttpMethod::Post, path: "/api/runs/{id}/operations/{key}/resolve", id: "resolve_operation", tag: "operations", summary: "Resolve an uncertain operation of a blocked run (`completed`, `failed` or `retry`)", auth: true, query: &[],
-        body: Some((&[("outcome", Kind::Str, true), ("result", Kind::Str, false), ("reason", Kind::Str, false), ("runUpdatedAt", Kind::DateTime, false)], true)),
-        ok: ("200", "`{operation, run}`", Out::Json), errors: &["400", "401", "404", "409", "413"] },
-];
-
-fn schema(kind: Kind) -> RefOr<Schema> {
-    match kind {
-        Kind::Str => ObjectBuilder::new().schema_type(Type::String).into(),
-        Kind::Int => ObjectBuilder::new().schema_type(Type::Integer).format(Some(SchemaFormat::KnownFormat(KnownFormat::Int64))).into(),
-        Kind::Bool => ObjectBuilder::new().schema_type(Type::Boolean).into(),
-        Kind::DateTime => ObjectBuilder::new().schema_type(Type::String).format(Some(SchemaFormat::KnownFormat(KnownFormat::DateTime))).into(),
-        Kind::Obj => ObjectBuilder::new().schema_type(Type::Object).into(),
-        Kind::Any => ObjectBuilder::new().schema_type(utoipa::openapi::schema::SchemaType::AnyValue).into(),
-        Kind::Objs => ArrayBuilder::new().items(ObjectBuilder::new().schema_type(Type::Object)).into(),
-    }
-}
-
-fn path_param(name: &str) -> RefOr<Schema> {
-    match name {
-        "sequence" => schema(Kind::Int),
-        "key" => schema(Kind::Str),
-        _ => ObjectBuilder::new().schema_type(Type::String).format(Some(SchemaFormat::KnownFormat(KnownFormat::Uuid))).into(),
-    }
-}
-
-fn error_description(status: &str) -> &'static str {
-    match status {
-        "400" => "Invalid request",
-        "401" => "A valid API key is required",
-        "404" => "Not found",
-        "409" => "Conflict with the current state",
-        "413" => "Request body too large",
-        "502" => "The run failed",
-        "503" => "Unavailable",
-        "504" => "Timed out",
-        _ => "Error",
-    }
-}
-
-/// Adds the route table, the bearer scheme and the error envelope to the derived document.
-struct RouteTable;
-
-impl Modify for RouteTable {
+impl Modify for Common {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         let components = openapi.components.get_or_insert_with(Components::default);
         components.add_security_scheme(
             BEARER,
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).description(Some("API key: `Authorization: Bearer <key>`")).build()),
         );
-        let envelope = ObjectBuilder::new()
-            .schema_type(Type::Object)
-            .property(
-                "error",
-                ObjectBuilder::new()
-                    .schema_type(Type::Object)
-                    .property("code", schema(Kind::Str))
-                    .required("code")
-                    .property("message", schema(Kind::Str))
-                    .required("message"),
-            )
-            .required("error");
-        components.schemas.insert(ERROR.to_owned(), envelope.into());
-
-        for route in ROUTES {
-            let mut op = OperationBuilder::new().operation_id(Some(route.id)).summary(Some(route.summary)).tag(route.tag);
-            for name in route.path.split('/').filter_map(|s| s.strip_prefix('{')?.strip_suffix('}')) {
-                op = op.parameter(
-                    ParameterBuilder::new().name(name).parameter_in(ParameterIn::Path).required(Required::True).schema(Some(path_param(name))),
-                );
-            }
-            for &(name, kind) in route.query {
-                op = op.parameter(
-                    ParameterBuilder::new().name(name).parameter_in(ParameterIn::Query).required(Required::False).schema(Some(schema(kind))),
-                );
-            }
-            if let Some((fields, required)) = route.body {
-                let mut object = ObjectBuilder::new().schema_type(Type::Object);
-                for &(name, kind, field_required) in fields {
-                    object = object.property(name, schema(kind));
-                    if field_required {
-                        object = object.required(name);
-                    }
+        components.add_security_scheme(
+            SESSION,
+            SecurityScheme::ApiKey(ApiKey::Cookie(ApiKeyValue::with_description(
+                crate::extract::SESSION_COOKIE,
+                "Browser session from `POST /api/session`; requests other than GET/HEAD must also send `X-Requested-With: agentloop`",
+            ))),
+        );
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            let api = path.starts_with("/api/") || path.starts_with("/v1/");
+            let database = api || path == "/readyz";
+            let has_path_params = path.contains('{');
+            let envelope = if path.starts_with("/v1/") { "OpenAiError" } else { "Error" };
+            for op in [&mut item.get, &mut item.post, &mut item.put, &mut item.patch, &mut item.delete].into_iter().flatten() {
+                if api && op.security.is_none() {
+                    op.security = Some(vec![SecurityRequirement::new(BEARER, Vec::<String>::new()), SecurityRequirement::new(SESSION, Vec::<String>::new())]);
                 }
-                op = op.request_body(Some(
-                    RequestBodyBuilder::new()
-                        .required(Some(if required { Required::True } else { Required::False }))
-                        .content("application/json", Content::new(Some(object)))
-                        .build(),
-                ));
+                let authenticated = op.security.as_ref().is_some_and(|s| {
+                    s.iter().any(|r| serde_json::to_value(r).is_ok_and(|v| v.as_object().is_some_and(|o| !o.is_empty())))
+                });
+                add_default(op, envelope, "400", "Invalid request (query, headers or body)");
+                add_default(op, envelope, "431", "Request headers too large");
+                if op.request_body.is_some() {
+                    add_default(op, envelope, "408", "`body_timeout`: the body did not arrive in time");
+                    add_default(op, envelope, "413", "`payload_too_large`");
+                    add_default(op, envelope, "415", "`unsupported_media_type`: bodies are JSON");
+                    let busy = "`server_busy`: the body budget (`MAX_BODY_BYTES_IN_FLIGHT`) stayed used up (`Retry-After`)";
+                    let busy = if database { format!("{busy}; `database_unavailable`, `outcome_unknown`") } else { busy.to_owned() };
+                    add_default(op, envelope, "503", &busy);
+                }
+                if authenticated {
+                    add_default(op, envelope, "401", "A valid API key or session is required");
+                    add_default(op, envelope, "403", "`csrf_header_missing`: a cookie-authenticated request needs `X-Requested-With: agentloop`");
+                    add_default(op, envelope, "429", "A rate or per-principal limit (`Retry-After`)");
+                }
+                if has_path_params {
+                    add_default(op, envelope, "404", "Not found");
+                }
+                if database {
+                    add_default(op, envelope, "503", "`database_unavailable`, `outcome_unknown`");
+                }
             }
-            let (status, description, out) = route.ok;
-            let ok = match out {
-                Out::Json => ResponseBuilder::new().description(description).content("application/json", Content::new(Some(schema(Kind::Obj)))),
-                Out::NoContent => ResponseBuilder::new().description(description),
-                Out::Sse => ResponseBuilder::new().description(description).content("text/event-stream", Content::new(Some(schema(Kind::Str)))),
-                Out::Text => ResponseBuilder::new().description(description).content("text/plain", Content::new(Some(schema(Kind::Str)))),
-                Out::Html => ResponseBuilder::new().description(description).content("text/html", Content::new(Some(schema(Kind::Str)))),
-            };
-            op = op.response(status, ok.build());
-            for &error in route.errors {
-                op = op.response(
-                    error,
-                    ResponseBuilder::new()
-                        .description(error_description(error))
-                        .content("application/json", Content::new(Some(Ref::from_schema_name(ERROR))))
-                        .build(),
-                );
-            }
-            if route.auth {
-                op = op.security(SecurityRequirement::new(BEARER, Vec::<String>::new()));
-            }
-            openapi.paths.add_path_operation(route.path, vec![route.method.clone()], op.build());
         }
+        add_links(openapi);
     }
+}
+
+/// Links from the operations that create a resource to those that read or change it.
+fn add_links(openapi: &mut utoipa::openapi::OpenApi) {
+    let link = |operation: &str, param: &str, expression: &str| {
+        LinkBuilder::new().operation_id(operation).parameter(param, expression).build()
+    };
+    let mut add = |path: &str, status: &str, links: Vec<(&str, utoipa::openapi::link::Link)>| {
+        let Some(item) = openapi.paths.paths.get_mut(path) else { return };
+        let Some(op) = item.post.as_mut() else { return };
+        if let Some(RefOr::T(response)) = op.responses.responses.get_mut(status) {
+            for (name, l) in links {
+                response.links.insert(name.to_owned(), RefOr::T(l));
+            }
+        }
+    };
+    let thread = "$response.body#/id";
+    add(
+        "/api/threads",
+        "201",
+        vec![
+            ("GetThread", link("get_thread", "id", thread)),
+            ("UpdateThread", link("update_thread", "id", thread)),
+            ("ListMessages", link("list_messages", "id", thread)),
+            ("PostChat", link("post_chat", "id", thread)),
+            ("GetContext", link("get_context", "id", thread)),
+            ("PollUpdates", link("poll_updates", "id", thread)),
+            ("ListApprovals", link("list_approvals", "id", thread)),
+            ("CancelThread", link("cancel_thread", "id", thread)),
+            ("CompactThread", link("compact_thread", "id", thread)),
+            ("DeleteThread", link("delete_thread", "id", thread)),
+        ],
+    );
+    let run = "$response.body#/run/id";
+    add(
+        "/api/threads/{id}/chat",
+        "202",
+        vec![
+            ("GetRun", link("get_run", "id", run)),
+            ("ListOperations", link("list_operations", "id", run)),
+            ("CancelRun", link("cancel_run", "id", run)),
+        ],
+    );
+    add(
+        "/api/threads/{id}/compact",
+        "201",
+        vec![("GetChildThread", link("get_thread", "id", "$response.body#/thread/id")), ("GetCompactionRun", link("get_run", "id", run))],
+    );
+    let webhook = "$response.body#/id";
+    add(
+        "/api/webhooks",
+        "201",
+        vec![
+            ("GetWebhook", link("get_webhook", "id", webhook)),
+            ("ListWebhookDeliveries", link("list_webhook_deliveries", "id", webhook)),
+            ("DeleteWebhook", link("delete_webhook", "id", webhook)),
+        ],
+    );
 }

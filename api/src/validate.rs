@@ -42,27 +42,83 @@ pub fn content(content: &Value) -> Result<(), ApiError> {
 
 /// Thread metadata: an object whose known keys have valid values — `multitask` (reject |
 /// enqueue | interrupt), `compactThreshold` (> 0: a share of the limit when ≤ 1, else tokens),
-/// `compactChunkTokens` and `compactRecentMessages` (positive integers). Error: 400
+/// `compactChunkTokens` and `compactRecentMessages` (positive integers), `maxTokens` (a positive
+/// integer: the `max_tokens` of every model call), `temperature` (0..=2). Error: 400
 /// `invalid_metadata`.
 pub fn metadata(metadata: &Value) -> Result<(), ApiError> {
     let bad = |why: &str| Err(ApiError::bad_request("invalid_metadata", why.to_owned()));
     let Some(obj) = metadata.as_object() else { return bad("metadata must be a JSON object") };
-    if let Some(v) = obj.get("multitask") {
-        if !matches!(v.as_str(), Some("reject" | "enqueue" | "interrupt")) {
-            return bad("metadata.multitask must be reject, enqueue or interrupt");
+    // Set by the server on the hidden threads of `/v1/chat/completions` (`stateless`: approvals
+    // fail closed; `clientTools`: their calls end the run); a client may not set them.
+    for key in ["stateless", "clientTools"] {
+        if obj.contains_key(key) {
+            return bad(&format!("metadata.{key} is reserved for the server"));
         }
     }
-    if let Some(v) = obj.get("compactThreshold") {
-        if !v.as_f64().is_some_and(|t| t > 0.0) {
-            return bad("metadata.compactThreshold must be a positive number");
-        }
+    if let Some(v) = obj.get("multitask")
+        && !matches!(v.as_str(), Some("reject" | "enqueue" | "interrupt"))
+    {
+        return bad("metadata.multitask must be reject, enqueue or interrupt");
+    }
+    if let Some(v) = obj.get("compactThreshold")
+        && v.as_f64().is_none_or(|t| t <= 0.0)
+    {
+        return bad("metadata.compactThreshold must be a positive number");
+    }
+    if let Some(v) = obj.get("maxTokens")
+        && !v.is_null()
+        && v.as_u64().is_none_or(|n| n == 0 || n > 1_000_000)
+    {
+        return bad("metadata.maxTokens must be a positive integer (tokens)");
+    }
+    if let Some(v) = obj.get("temperature")
+        && !v.is_null()
+        && v.as_f64().is_none_or(|t| !(0.0..=agentloop_shared::generation::TEMPERATURE_MAX).contains(&t))
+    {
+        return bad("metadata.temperature must be a number from 0 to 2");
     }
     for key in ["compactChunkTokens", "compactRecentMessages"] {
-        if let Some(v) = obj.get(key) {
-            if !v.as_u64().is_some_and(|n| n > 0) {
-                return bad(&format!("metadata.{key} must be a positive integer"));
-            }
+        if let Some(v) = obj.get(key)
+            && v.as_u64().is_none_or(|n| n == 0)
+        {
+            return bad(&format!("metadata.{key} must be a positive integer"));
         }
+    }
+    Ok(())
+}
+
+/// A user turn must fit the model that will answer it (issue 11 "Input limits up front"): the
+/// requested model, else the thread's, else the default; its limit is
+/// `agentloop_shared::generation::max_input_tokens` under the thread's metadata. Checked before
+/// anything is stored. Error: 413 `turn_too_large` naming both sizes. A thread whose model is not
+/// configured is left to the step function (409 `model_not_configured`).
+pub async fn turn_fits(
+    state: &crate::AppState,
+    principal: uuid::Uuid,
+    thread_id: uuid::Uuid,
+    requested: Option<&str>,
+    turn: &agentloop_shared::commands::Turn,
+) -> Result<(), ApiError> {
+    let mut conn = state.pool.get().await?;
+    let Some(thread) = agentloop_shared::threads::get_owned(&mut conn, thread_id, principal).await? else {
+        return Err(ApiError::NotFound);
+    };
+    drop(conn);
+    let model = match requested.or(thread.model.as_deref()) {
+        Some(id) => state.catalog.get(id),
+        None => state.catalog.default_model(),
+    };
+    let Some(model) = model else { return Ok(()) };
+    let limit = agentloop_shared::generation::max_input_tokens(model, &thread.metadata);
+    if turn.token_estimate.max(0) as u32 > limit {
+        return Err(ApiError::Refused {
+            status: actix_web::http::StatusCode::PAYLOAD_TOO_LARGE,
+            code: "turn_too_large".into(),
+            message: format!(
+                "this message is about {} tokens; model {} accepts at most {} tokens in one turn (its context must also hold the answer                  and the conversation). Shorten it or split it into several messages.",
+                turn.token_estimate, model.id, limit
+            ),
+        });
     }
     Ok(())
 }

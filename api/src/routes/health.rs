@@ -8,21 +8,38 @@ use crate::AppState;
 use crate::error::ApiError;
 
 /// `GET /healthz`: the process serves HTTP (no dependency checks).
+#[utoipa::path(get, path = "/healthz", tag = "health", operation_id = "healthz", security(()),
+    responses((status = 200, description = "Alive", body = crate::views::HealthStatus)))]
 pub async fn healthz() -> HttpResponse {
     HttpResponse::Ok().json(json!({"status": "ok"}))
 }
 
 /// `GET /metrics`: Prometheus text format (see `agentloop_shared::telemetry::metrics`).
+#[utoipa::path(get, path = "/metrics", tag = "health", operation_id = "metrics", security(()),
+    responses((status = 200, description = "Prometheus text exposition", content_type = "text/plain", body = String)))]
 pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(state.metrics.render())
 }
 
-/// `GET /readyz`: PostgreSQL answers a query (503 `database_unavailable` otherwise).
+/// Longest wait of a readiness probe for PostgreSQL: a database that does not answer within it
+/// is unavailable (a half-open connection must not hang the probe, nor the web UI's banner).
+const READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `GET /readyz`: PostgreSQL answers a query within 2 s (503 `database_unavailable` otherwise);
+/// 503 `draining` from SIGTERM on, while the process still serves, so load balancers stop
+/// routing to it before its listener closes.
+#[utoipa::path(get, path = "/readyz", tag = "health", operation_id = "readyz", security(()),
+    responses((status = 200, description = "Ready", body = crate::views::HealthStatus)))]
 pub async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    let mut conn = state.pool.get().await?;
-    diesel::sql_query("SELECT 1").execute(&mut conn).await.map_err(|e| ApiError::Unavailable {
-        code: "database_unavailable",
-        message: format!("database unavailable: {e}"),
-    })?;
+    if std::sync::atomic::AtomicBool::load(&state.draining, std::sync::atomic::Ordering::SeqCst) {
+        return Err(ApiError::Unavailable { code: "draining", message: "this process is shutting down".into() });
+    }
+    let unavailable = |why: String| ApiError::Unavailable { code: "database_unavailable", message: format!("database unavailable: {why}") };
+    let probe = async {
+        let mut conn = state.pool.get().await?;
+        diesel::sql_query("SELECT 1").execute(&mut conn).await.map_err(|e| unavailable(e.to_string()))?;
+        Ok::<_, ApiError>(())
+    };
+    tokio::time::timeout(READY_TIMEOUT, probe).await.map_err(|_| unavailable("no answer within 2 s".into()))??;
     Ok(HttpResponse::Ok().json(json!({"status": "ready"})))
 }

@@ -12,12 +12,16 @@ use crate::extract::Authenticated;
 
 /// Query: `status` (`pending` to list only undecided calls; default all) and `limit` (1..=200,
 /// default 50).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
+    /// `pending` (undecided only) or `all` (default).
     #[serde(default)]
+    #[param(value_type = Option<String>, pattern = "^(pending|all)$")]
     pub status: Option<String>,
     #[serde(default)]
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<i64>,
 }
 
@@ -25,6 +29,13 @@ pub struct ListQuery {
 /// (the model's proposal), `parameters` (the tool's JSON schema), `status`
 /// (`pending|approved|rejected|expired|cancelled`), `approvedArguments`, `argumentsEdited`,
 /// `reason`, `deadlineAt`, `createdAt`, `decidedAt`. 404 for another principal's thread.
+#[utoipa::path(
+    get, path = "/api/threads/{id}/approvals", tag = "approvals", operation_id = "list_approvals",
+    params(("id" = Uuid, Path, description = "Thread id"), ListQuery),
+    responses((status = 200, description = "The thread's approvals, newest first", body = crate::views::ApprovalList),
+              (status = 400, description = "`invalid_query`", body = crate::views::ErrorBody),
+              (status = 404, description = "Not the caller's thread", body = crate::views::ErrorBody))
+)]
 pub async fn list_approvals(
     state: web::Data<AppState>,
     who: Authenticated,

@@ -6,9 +6,6 @@ pub mod approve_approval;
 pub mod list_approvals;
 pub mod reject_approval;
 
-use agentloop_shared::approvals::{Approval, DecideError};
-use serde_json::{Value, json};
-
 use crate::error::ApiError;
 
 /// Parses an optional JSON body (empty = `T::default()`); invalid JSON or unknown fields are
@@ -20,19 +17,3 @@ pub fn parse_body<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Resu
     serde_json::from_slice(body).map_err(|e| ApiError::bad_request("invalid_json", format!("invalid request body: {e}")))
 }
 
-/// `{approval, run}`: the decided approval and its run after the decision.
-pub fn decision_json(approval: &Approval, run: &agentloop_shared::runs::Run) -> Value {
-    json!({"approval": approval, "run": run.to_json()})
-}
-
-/// 404 / 409 `approval_decided` (with the current status in the message) / 500.
-pub fn decide_error(error: DecideError) -> ApiError {
-    match error {
-        DecideError::NotFound => ApiError::NotFound,
-        DecideError::AlreadyDecided(current) => ApiError::conflict(
-            "approval_decided",
-            format!("approval {} is already {}", current.id, current.status),
-        ),
-        DecideError::Query(e) => e.into(),
-    }
-}

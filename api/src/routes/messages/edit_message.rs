@@ -1,24 +1,24 @@
 //! `POST /api/threads/{id}/messages/{sequence}/edit`.
 
 use actix_web::{HttpResponse, web};
-use agentloop_shared::messages::{self, NewMessage, Provenance, role};
-use agentloop_shared::{branches, threads, tokens};
-use diesel_async::AsyncConnection;
+use agentloop_shared::commands;
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 use uuid::Uuid;
 
-use super::{RunOptions, enqueue, ensure_idle};
+use super::RunOptions;
 use crate::AppState;
 use crate::error::ApiError;
 use crate::extract::Authenticated;
 
 /// Body: `{content, maxSteps?, model?}`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct EditMessage {
+    #[schema(value_type = crate::views::ContentSchema)]
     pub content: Value,
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 10000)]
     pub max_steps: Option<i32>,
     #[serde(default)]
     pub model: Option<String>,
@@ -28,7 +28,18 @@ pub struct EditMessage {
 /// become inactive (never deleted), the new user message is appended with a higher sequence,
 /// snapshots covering the old branch stop applying, and a run is enqueued like a chat post.
 /// 202 `{run, message, deactivated}`. Errors: 404, 400 `not_a_user_message` /
-/// `invalid_content`, 409 `run_active` / `approval_required`.
+/// `invalid_content` / `invalid_max_steps` / `unknown_model`, 409 `run_active` /
+/// `approval_required` / `model_not_configured`.
+#[utoipa::path(
+    post, path = "/api/threads/{id}/messages/{sequence}/edit", tag = "messages", operation_id = "edit_message",
+    params(("id" = Uuid, Path, description = "Thread id"), ("sequence" = i64, Path, description = "Sequence of the user message")),
+    request_body = EditMessage,
+    responses((status = 202, description = "The run, the new user message and what was deactivated", body = crate::views::RunAccepted),
+              (status = 400, description = "`not_a_user_message`, `invalid_content`, `invalid_max_steps`, `unknown_model`", body = crate::views::ErrorBody),
+              (status = 404, description = "No such thread or message", body = crate::views::ErrorBody),
+              (status = 409, description = "`run_active`, `approval_required`, `model_not_configured`", body = crate::views::ErrorBody),
+              (status = 429, description = "`too_many_active_runs` or a rate limit", body = crate::views::ErrorBody))
+)]
 pub async fn edit_message(
     state: web::Data<AppState>,
     who: Authenticated,
@@ -38,35 +49,9 @@ pub async fn edit_message(
     let (thread_id, sequence) = path.into_inner();
     let body = body.into_inner();
     crate::validate::content(&body.content)?;
-    let text = messages::content_text(&body.content);
-    let options = RunOptions { max_steps: body.max_steps, model: body.model };
-    let principal = who.0.id;
-    let mut conn = state.pool.get().await?;
-    let response = (*conn)
-        .transaction(async |conn| -> Result<Value, ApiError> {
-            let thread = threads::lock_owned(conn, thread_id, principal).await?.ok_or(ApiError::NotFound)?;
-            ensure_idle(conn, thread.id).await?;
-            let target = branches::active_at(conn, thread.id, sequence).await?.ok_or(ApiError::NotFound)?;
-            if target.role != role::USER {
-                return Err(ApiError::bad_request("not_a_user_message", "only user messages can be edited"));
-            }
-            let old = branches::active_from(conn, thread.id, sequence).await?;
-            let deactivated = branches::deactivate(conn, thread.id, &old).await?;
-            let message = NewMessage {
-                role: role::USER.into(),
-                content: body.content.clone(),
-                tool_calls: None,
-                tool_call_id: None,
-                reasoning: None,
-                token_estimate: (4 + tokens::estimate_text(&text)) as i32,
-            };
-            let (_, message) = messages::append(conn, thread.id, Provenance::default(), &[message], &[None])
-                .await?
-                .pop()
-                .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("message not appended")))?;
-            let run = enqueue(conn, &state, &thread, principal, &options).await?;
-            Ok(json!({"run": run.to_json(), "message": message, "deactivated": deactivated}))
-        })
-        .await?;
+    let options = RunOptions { max_steps: body.max_steps, model: body.model.clone() }.validated(&state)?;
+    let turn = crate::turn(&body.content);
+    crate::validate::turn_fits(&state, who.0.id, thread_id, body.model.as_deref(), &turn).await?;
+    let response = commands::edit(&state.store, who.0.id, thread_id, sequence, turn, options).await?;
     Ok(HttpResponse::Accepted().json(response))
 }

@@ -1,13 +1,10 @@
 //! `POST /api/threads/{id}/messages/{sequence}/regenerate`.
 
 use actix_web::{HttpResponse, web};
-use agentloop_shared::messages::role;
-use agentloop_shared::{branches, threads};
-use diesel_async::AsyncConnection;
-use serde_json::{Value, json};
+use agentloop_shared::commands;
 use uuid::Uuid;
 
-use super::{RunOptions, enqueue, ensure_idle};
+use super::RunOptions;
 use crate::AppState;
 use crate::error::ApiError;
 use crate::extract::Authenticated;
@@ -15,7 +12,18 @@ use crate::extract::Authenticated;
 /// A new answer from `sequence`: for a user message, everything after it is deactivated; for an
 /// assistant or tool message, its whole tool group and everything after it. A run is enqueued
 /// (no user message is invented). Body (optional): `{maxSteps?, model?}`. 202
-/// `{run, deactivated}`. Errors: 404, 409 `run_active` / `approval_required`.
+/// `{run, deactivated}`. Errors: 404, 400 `invalid_max_steps` / `unknown_model`, 409
+/// `run_active` / `approval_required` / `model_not_configured`.
+#[utoipa::path(
+    post, path = "/api/threads/{id}/messages/{sequence}/regenerate", tag = "messages", operation_id = "regenerate_message",
+    params(("id" = Uuid, Path, description = "Thread id"), ("sequence" = i64, Path, description = "Sequence to answer again from")),
+    request_body(content = Option<RunOptions>, description = "Optional run settings"),
+    responses((status = 202, description = "The run and what was deactivated", body = crate::views::Regenerated),
+              (status = 400, description = "`invalid_max_steps`, `unknown_model`", body = crate::views::ErrorBody),
+              (status = 404, description = "No such thread or message", body = crate::views::ErrorBody),
+              (status = 409, description = "`run_active`, `approval_required`, `model_not_configured`", body = crate::views::ErrorBody),
+              (status = 429, description = "`too_many_active_runs` or a rate limit", body = crate::views::ErrorBody))
+)]
 pub async fn regenerate_message(
     state: web::Data<AppState>,
     who: Authenticated,
@@ -23,24 +31,7 @@ pub async fn regenerate_message(
     body: Option<web::Json<RunOptions>>,
 ) -> Result<HttpResponse, ApiError> {
     let (thread_id, sequence) = path.into_inner();
-    let options = body.map(web::Json::into_inner).unwrap_or_default();
-    let principal = who.0.id;
-    let mut conn = state.pool.get().await?;
-    let response = (*conn)
-        .transaction(async |conn| -> Result<Value, ApiError> {
-            let thread = threads::lock_owned(conn, thread_id, principal).await?.ok_or(ApiError::NotFound)?;
-            ensure_idle(conn, thread.id).await?;
-            let target = branches::active_at(conn, thread.id, sequence).await?.ok_or(ApiError::NotFound)?;
-            let from = if target.role == role::USER {
-                sequence + 1
-            } else {
-                *branches::tool_group(conn, &target).await?.first().unwrap_or(&sequence)
-            };
-            let old = branches::active_from(conn, thread.id, from).await?;
-            let deactivated = branches::deactivate(conn, thread.id, &old).await?;
-            let run = enqueue(conn, &state, &thread, principal, &options).await?;
-            Ok(json!({"run": run.to_json(), "deactivated": deactivated}))
-        })
-        .await?;
+    let options = body.map(web::Json::into_inner).unwrap_or_default().validated(&state)?;
+    let response = commands::regenerate(&state.store, who.0.id, thread_id, sequence, options).await?;
     Ok(HttpResponse::Accepted().json(response))
 }

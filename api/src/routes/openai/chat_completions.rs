@@ -1,176 +1,291 @@
-//! `POST /v1/chat/completions` — a stateless OpenAI-compatible call through the same durable
-//! tool loop (SPEC §13).
+//! `POST /v1/chat/completions` — OpenAI-compatible, through the same durable loop (SPEC §13,
+//! issue 12 part 1).
 //!
-//! The request's messages become the canonical history of a hidden, owner-scoped thread; a run
-//! is enqueued exactly like a chat post and executed by a worker (the api never calls a model);
-//! the handler waits on the thread's journal for the run to end and answers with a
-//! `chat.completion` object. The thread is then soft-deleted. There is no durable checkpoint to
+//! The request's messages (validated and repaired by the import rules,
+//! `agentloop_shared::import::messages`) become the canonical history of a hidden thread with one
+//! run, enqueued like a chat post and executed by a worker (the api never calls a model); see
+//! [`super::hidden`] for the thread's lifetime (deleted when the request ends; cancelled and
+//! deleted when the client goes away or this process dies). There is no durable checkpoint to
 //! resume from on the caller's side, so a run that would need a second slice (the per-slice
-//! tool-call limit) fails with `max_iterations` instead (seed 000: "Stateless API calls still
-//! receive the original terminal maximum-iterations error"), and a tool that needs approval
+//! tool-call limit) fails with `max_iterations` (seed 000), and a tool that needs approval
 //! fails closed.
+//!
+//! The answer's `content` is the text of every assistant message of the run, joined by a blank
+//! line (the text a model says before a server-side tool call, then the final answer); the
+//! server's own tool calls are never exposed. Client-side `tools` (OpenAI function specs) are
+//! offered to the model next to the server's; a call of one ends the run and is returned as
+//! `tool_calls` with `finish_reason: "tool_calls"` (see `agentloop_worker::client_tools` for
+//! name clashes — the client's tool wins — and mixed turns). `stream: true` answers with
+//! `chat.completion.chunk` server-sent events ([`super::stream`]).
 
 use std::time::Duration;
 
-use actix_web::{HttpResponse, web};
-use agentloop_shared::messages::{self, NewMessage, Provenance, role};
-use agentloop_shared::runs::{self, NewRun, status};
-use agentloop_shared::threads::{self, NewThread};
-use agentloop_shared::tokens;
-use diesel_async::AsyncConnection;
+use actix_web::{HttpResponse, Responder, web};
+use actix_web_lab::sse;
+use agentloop_shared::import::{self, Limits};
+use agentloop_shared::messages::{self, role};
+use agentloop_shared::runs::{self, Run, status};
 use serde::Deserialize;
 use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use utoipa::ToSchema;
+use uuid::Uuid;
 
+use super::hidden::{HiddenRequest, HiddenRequests};
+use super::V1Error;
 use crate::AppState;
-use crate::error::ApiError;
 use crate::extract::Authenticated;
 
-/// Longest wait for the run, in seconds.
-const MAX_WAIT: Duration = Duration::from_secs(600);
+/// Longest wait for the run.
+pub const MAX_WAIT: Duration = Duration::from_secs(600);
+/// Most client tools per request (OpenAI's own bound).
+const MAX_TOOLS: usize = 128;
 
-/// The subset of the OpenAI request that matters here; other fields are accepted and ignored.
-#[derive(Debug, Deserialize)]
-pub struct ChatCompletionRequest {
-    pub model: Option<String>,
-    pub messages: Vec<Value>,
+/// `stream_options`.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` (and `choices: []`) before `[DONE]`.
     #[serde(default)]
-    pub stream: bool,
+    pub include_usage: Option<bool>,
 }
 
-/// Runs the conversation in `messages` to its final answer. 200 `chat.completion`; errors in
-/// the OpenAI-compatible envelope of this API: 400 `invalid_messages` / `unknown_model` /
-/// `stream_unsupported`, 502 `run_failed` (with the run's error code in the message), 504
-/// `timeout`.
+/// The request (OpenAI Chat Completions). Fields not listed (`temperature`, `max_tokens`,
+/// `tool_choice`, ...) are accepted and ignored: the server's model configuration decides.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ChatCompletionRequest {
+    /// A configured model id (`GET /v1/models`); the server's default when absent.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// OpenAI chat messages (system, developer, user, assistant with `tool_calls`, tool).
+    #[schema(value_type = Vec<Object>)]
+    pub messages: Vec<Value>,
+    /// Answer with `chat.completion.chunk` server-sent events ending with `data: [DONE]`.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// Client-side tools: `[{"type":"function","function":{"name","description"?,"parameters"?}}]`.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tools: Option<Vec<Value>>,
+    /// Choices per request; only 1 is supported.
+    #[serde(default)]
+    pub n: Option<u32>,
+}
+
+/// What the run left for the caller.
+pub struct Answer {
+    pub content: String,
+    /// Client-side calls (`{id, type, function: {name, arguments}}`).
+    pub tool_calls: Vec<Value>,
+}
+
+/// Runs the conversation in `messages` to its final answer (or its client-side tool calls).
+/// 200 `chat.completion` (or an SSE stream). Errors in OpenAI's shape: 400 `invalid_messages` /
+/// `invalid_tools` / `unsupported_n` (with `param`), 401 `invalid_api_key`, 404
+/// `model_not_found`, 413, 502 with the failed run's code (`max_iterations`,
+/// `model_unavailable`, ...), 504 `timeout`.
 pub async fn chat_completions(
     state: web::Data<AppState>,
+    hidden: web::Data<HiddenRequests>,
     who: Authenticated,
     body: web::Json<ChatCompletionRequest>,
-) -> Result<HttpResponse, ApiError> {
+) -> Result<actix_web::Either<HttpResponse, impl Responder>, V1Error> {
     let body = body.into_inner();
-    if body.stream {
-        return Err(ApiError::bad_request("stream_unsupported", "stream: true is not supported here; use the thread API's SSE"));
+    if body.n.is_some_and(|n| n != 1) {
+        return Err(V1Error::bad_request("unsupported_n", "n", "only n = 1 is supported"));
     }
-    let history = to_history(&body.messages)?;
+    let limits = Limits { max_messages: 10_000, max_message_bytes: 4 * 1024 * 1024 };
+    let (history, _) = import::messages(&body.messages, "messages", &limits).map_err(|e| {
+        let code = if e.code == "invalid_import" { "invalid_messages" } else { e.code };
+        V1Error::bad_request(code, e.param, e.message)
+    })?;
+    let history: Vec<messages::NewMessage> = history.into_iter().map(|m| m.message).collect();
+    let client_tools = client_tools(body.tools.as_deref().unwrap_or_default())?;
     let model = match body.model.as_deref() {
         Some(m) if state.catalog.get(m).is_some() => m.to_owned(),
-        Some(m) => return Err(ApiError::bad_request("unknown_model", format!("model '{m}' is not configured"))),
+        Some(m) => {
+            return Err(V1Error {
+                status: actix_web::http::StatusCode::NOT_FOUND,
+                code: "model_not_found".into(),
+                message: format!("The model '{m}' does not exist on this server (GET /v1/models lists them)"),
+                param: Some("model".into()),
+            });
+        }
         None => state
             .catalog
             .default_model()
             .map(|m| m.id.clone())
-            .ok_or_else(|| ApiError::bad_request("no_model", "no model is configured on this server"))?,
+            .ok_or_else(|| V1Error::bad_request("no_model", "model", "no model is configured on this server"))?,
     };
-    let principal = who.0.id;
-    let mut conn = state.pool.get().await?;
-    let (thread, run) = (*conn)
-        .transaction(async |conn| -> Result<_, ApiError> {
-            let thread = threads::create(
-                conn,
-                principal,
-                NewThread { title: "stateless".into(), model: Some(model.clone()), metadata: json!({"stateless": true}) },
-            )
-            .await?;
-            let identities = vec![None; history.len()];
-            messages::append(conn, thread.id, Provenance::default(), &history, &identities).await?;
-            let run = runs::insert(
-                conn,
-                NewRun {
-                    thread_id: thread.id,
-                    principal_id: principal,
-                    model: model.clone(),
-                    max_steps: 1,
-                    command_id: None,
-                    status: status::QUEUED,
-                    input: None,
-                    kind: runs::kind::AGENT,
-                    source_thread_id: None,
-                },
-            )
-            .await?;
-            Ok((thread, run))
-        })
-        .await?;
-    drop(conn);
-    let mut wake = state.hub.subscribe(thread.id);
+    let (request, _) = hidden.clone().into_inner().start(who.0.id, &model, &history, &client_tools).await?;
+    let chunker = super::stream::Chunker {
+        id: format!("chatcmpl-{}", request.run_id.simple()),
+        created: chrono::Utc::now().timestamp(),
+        model: model.clone(),
+        include_usage: body.stream_options.and_then(|o| o.include_usage) == Some(true),
+    };
+    if body.stream == Some(true) {
+        let (tx, rx) = mpsc::channel::<sse::Event>(64);
+        actix_web::rt::spawn(super::stream::pump(state.clone(), request, chunker, tx));
+        // The keep-alive comments also reveal a client that went away while nothing else is
+        // written (the write fails, the stream is dropped, the pump sees its channel closed).
+        return Ok(actix_web::Either::Right(
+            sse::Sse::from_infallible_receiver(rx)
+                .with_keep_alive(Duration::from_secs(2))
+                .customize()
+                .insert_header(("Cache-Control", "no-cache, no-transform"))
+                .insert_header(("X-Accel-Buffering", "no")),
+        ));
+    }
+    let finished = match wait_for_end(&state, &request).await {
+        Ok(run) => run,
+        Err(e) => {
+            request.finish().await;
+            return Err(e);
+        }
+    };
+    let result = if finished.status == status::COMPLETED {
+        answer(&state, request.thread_id, request.run_id).await.map(|a| completion(&chunker, &a, &finished))
+    } else {
+        Err(run_error(&finished))
+    };
+    request.finish().await;
+    result.map(|body| actix_web::Either::Left(HttpResponse::Ok().json(body)))
+}
+
+/// Validates client tools: `type: "function"`, a name `^[a-zA-Z0-9_-]{1,64}$` used once,
+/// `parameters` an object when given. Returns the specs as offered to the model.
+pub fn client_tools(tools: &[Value]) -> Result<Vec<Value>, V1Error> {
+    if tools.len() > MAX_TOOLS {
+        return Err(V1Error::bad_request("invalid_tools", "tools", format!("at most {MAX_TOOLS} tools")));
+    }
+    let mut names = std::collections::HashSet::new();
+    let mut out = Vec::with_capacity(tools.len());
+    for (i, tool) in tools.iter().enumerate() {
+        if tool.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(V1Error::bad_request("invalid_tools", format!("tools[{i}].type"), "only tools of type \"function\" are supported"));
+        }
+        let function = tool.get("function").and_then(Value::as_object);
+        let name = function.and_then(|f| f.get("name")).and_then(Value::as_str).unwrap_or_default();
+        let valid = (1..=64).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !valid {
+            return Err(V1Error::bad_request(
+                "invalid_tools",
+                format!("tools[{i}].function.name"),
+                "a function name must match ^[a-zA-Z0-9_-]{1,64}$",
+            ));
+        }
+        if !names.insert(name.to_owned()) {
+            return Err(V1Error::bad_request("invalid_tools", format!("tools[{i}].function.name"), format!("function '{name}' is declared twice")));
+        }
+        let parameters = function.and_then(|f| f.get("parameters"));
+        if parameters.is_some_and(|p| !p.is_object() && !p.is_null()) {
+            return Err(V1Error::bad_request("invalid_tools", format!("tools[{i}].function.parameters"), "parameters must be a JSON Schema object"));
+        }
+        let mut spec = json!({"name": name, "parameters": parameters.filter(|p| p.is_object()).cloned().unwrap_or_else(|| json!({"type": "object", "properties": {}}))});
+        if let Some(d) = function.and_then(|f| f.get("description")).and_then(Value::as_str) {
+            spec["description"] = json!(d);
+        }
+        if let Some(s) = function.and_then(|f| f.get("strict")).and_then(Value::as_bool) {
+            spec["strict"] = json!(s);
+        }
+        out.push(json!({"type": "function", "function": spec}));
+    }
+    Ok(out)
+}
+
+/// Waits until the run ends. A run that waits for a human (an approval, an uncertain effect)
+/// cannot be resolved by a stateless caller: it is cancelled and reported with its error.
+async fn wait_for_end(state: &web::Data<AppState>, request: &HiddenRequest) -> Result<Run, V1Error> {
+    let mut wake = state.hub.subscribe(request.thread_id);
     let deadline = tokio::time::Instant::now() + MAX_WAIT;
-    let finished = loop {
+    loop {
         wake.borrow_and_update();
         let mut conn = state.pool.get().await?;
-        let mut current = runs::get(&mut conn, run.id).await?;
+        let mut current = runs::get(&mut conn, request.run_id).await?;
+        drop(conn);
         if matches!(current.status.as_str(), status::BLOCKED | status::WAITING_APPROVAL) {
-            // Nobody can resolve it for a stateless caller: end the run, keep its error.
             let error = (current.error_code.clone(), current.error_message.clone());
-            current = (*conn).transaction(async |conn| runs::request_cancel(conn, run.id).await).await?;
+            agentloop_shared::commands::cancel_run(&state.store, request.principal, request.run_id).await?;
+            let mut conn = state.pool.get().await?;
+            current = runs::get(&mut conn, request.run_id).await?;
             (current.error_code, current.error_message) = error;
             current.error_code.get_or_insert_with(|| "operation_uncertain".into());
         }
         if current.is_terminal() {
-            break current;
+            return Ok(current);
         }
-        drop(conn);
         tokio::select! {
             _ = wake.changed() => {}
             _ = tokio::time::sleep(Duration::from_secs(5)) => {}
             _ = tokio::time::sleep_until(deadline) => {
-                let mut conn = state.pool.get().await?;
-                (*conn).transaction(async |conn| runs::request_cancel(conn, run.id).await).await?;
-                return Err(ApiError::Unavailable { code: "timeout", message: "the run did not finish in time".into() });
+                return Err(V1Error { status: actix_web::http::StatusCode::GATEWAY_TIMEOUT, code: "timeout".into(),
+                                     message: "the run did not finish in time".into(), param: None });
             }
         }
-    };
-    let mut conn = state.pool.get().await?;
-    let answer = messages::active_after(&mut conn, thread.id, 0).await?.into_iter().rev().find(|m| m.role == role::ASSISTANT);
-    (*conn).transaction(async |conn| threads::soft_delete(conn, thread.id).await).await?;
-    if finished.status != status::COMPLETED {
-        let code = match finished.error_code.as_deref() {
-            Some("budget_exhausted") => "max_iterations",
-            Some(other) => other,
-            None => finished.status.as_str(),
-        };
-        return Err(ApiError::RunFailed {
-            code: code.to_owned(),
-            message: finished.error_message.clone().unwrap_or_else(|| format!("the run ended {}", finished.status)),
-        });
     }
-    let content = answer.map(|m| m.text()).unwrap_or_default();
-    Ok(HttpResponse::Ok().json(json!({
-        "id": format!("chatcmpl-{}", run.id.simple()),
-        "object": "chat.completion",
-        "created": finished.created_at.timestamp(),
-        "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-        "usage": {
-            "prompt_tokens": finished.prompt_tokens,
-            "completion_tokens": finished.completion_tokens,
-            "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-        },
-    })))
 }
 
-/// Validates and converts OpenAI messages into canonical rows.
-fn to_history(messages: &[Value]) -> Result<Vec<NewMessage>, ApiError> {
-    if messages.is_empty() {
-        return Err(ApiError::bad_request("invalid_messages", "messages must not be empty"));
+/// The error of a run that did not complete (502 with its code; `budget_exhausted` reads
+/// `max_iterations`, seed 000).
+pub fn run_error(run: &Run) -> V1Error {
+    let code = match run.error_code.as_deref() {
+        Some("budget_exhausted") => "max_iterations",
+        Some(other) => other,
+        None => run.status.as_str(),
+    };
+    V1Error {
+        status: actix_web::http::StatusCode::BAD_GATEWAY,
+        code: code.to_owned(),
+        message: run.error_message.clone().unwrap_or_else(|| format!("the run ended {}", run.status)),
+        param: None,
     }
-    messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let r = m.get("role").and_then(Value::as_str).unwrap_or_default();
-            if ![role::SYSTEM, role::DEVELOPER, role::USER, role::ASSISTANT, role::TOOL].contains(&r) {
-                return Err(ApiError::bad_request("invalid_messages", format!("messages[{i}].role is not a chat role")));
-            }
-            let content = m.get("content").cloned().unwrap_or(Value::Null);
-            let tool_calls = m.get("tool_calls").cloned().filter(|c| c.is_array());
-            let text = messages::content_text(&content);
-            Ok(NewMessage {
-                role: r.to_owned(),
-                token_estimate: tokens::estimate_message(&content, tool_calls.as_ref()) as i32,
-                content: if content.is_null() { Value::String(text) } else { content },
-                tool_calls,
-                tool_call_id: m.get("tool_call_id").and_then(Value::as_str).map(str::to_owned),
-                reasoning: None,
-            })
-        })
+}
+
+/// The assistant text of the run's messages (joined by a blank line) and its client calls.
+pub async fn answer(state: &web::Data<AppState>, thread_id: Uuid, run_id: Uuid) -> Result<Answer, V1Error> {
+    let mut conn = state.pool.get().await?;
+    let rows = messages::active_after(&mut conn, thread_id, 0).await?;
+    let mine: Vec<_> = rows.iter().filter(|m| m.run_id == Some(run_id) && m.role == role::ASSISTANT).collect();
+    let content = mine.iter().map(|m| m.text()).filter(|t| !t.is_empty()).collect::<Vec<_>>().join("\n\n");
+    let tool_calls = mine.last().map(|m| client_calls(m.tool_calls.as_ref())).unwrap_or_default();
+    Ok(Answer { content, tool_calls })
+}
+
+/// The client-side calls of a `tool_calls` value, in OpenAI's shape.
+pub fn client_calls(tool_calls: Option<&Value>) -> Vec<Value> {
+    tool_calls
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(|c| c.get("clientSide").and_then(Value::as_bool) == Some(true))
+        .map(|c| json!({"id": c["id"], "type": "function", "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}))
         .collect()
+}
+
+/// The `usage` object of a run.
+pub fn usage(run_prompt: i64, run_completion: i64) -> Value {
+    json!({"prompt_tokens": run_prompt, "completion_tokens": run_completion, "total_tokens": run_prompt + run_completion})
+}
+
+fn completion(chunker: &super::stream::Chunker, answer: &Answer, run: &Run) -> Value {
+    let calls = !answer.tool_calls.is_empty();
+    let mut message = json!({
+        "role": "assistant",
+        "content": if answer.content.is_empty() && calls { Value::Null } else { json!(answer.content) },
+        "refusal": null,
+    });
+    if calls {
+        message["tool_calls"] = json!(answer.tool_calls);
+    }
+    json!({
+        "id": chunker.id,
+        "object": "chat.completion",
+        "created": chunker.created,
+        "model": chunker.model,
+        "system_fingerprint": null,
+        "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": if calls { "tool_calls" } else { "stop" }}],
+        "usage": usage(run.prompt_tokens, run.completion_tokens),
+    })
 }

@@ -13,6 +13,12 @@ use crate::extract::Authenticated;
 /// (`run:{runId}:call:{toolCallId}`), `toolCallId`, `toolName`, `arguments`, `status`
 /// (`prepared|dispatched|completed|failed|uncertain`), `result`, `resolution`, `dispatches`,
 /// timestamps. 404 for another principal's run.
+#[utoipa::path(
+    get, path = "/api/runs/{id}/operations", tag = "operations", operation_id = "list_operations",
+    params(("id" = Uuid, Path, description = "Run id")),
+    responses((status = 200, description = "The run and its operations", body = crate::views::OperationList),
+              (status = 404, description = "Not the caller's run", body = crate::views::ErrorBody))
+)]
 pub async fn list_operations(
     state: web::Data<AppState>,
     who: Authenticated,

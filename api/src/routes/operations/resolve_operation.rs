@@ -1,12 +1,9 @@
 //! `POST /api/runs/{id}/operations/{key}/resolve` `{outcome, result?, reason?, runUpdatedAt?}`.
 
 use actix_web::{HttpResponse, web};
-use agentloop_shared::operations::{self, Outcome, ResolveError};
-use agentloop_shared::runs;
+use agentloop_shared::commands::{self, Outcome};
 use chrono::{DateTime, Utc};
-use diesel_async::AsyncConnection;
 use serde::Deserialize;
-use serde_json::json;
 use uuid::Uuid;
 
 use crate::AppState;
@@ -17,9 +14,11 @@ use crate::extract::Authenticated;
 /// `failed` (it did not; optional `reason`) or `retry` (safe to run again under the same key);
 /// `runUpdatedAt` (optional): the `updatedAt` of the run as the caller saw it — the resolve is
 /// refused if the run changed since.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Resolve {
+    /// `completed`, `failed` or `retry`.
+    #[schema(pattern = "^(completed|failed|retry)$")]
     pub outcome: String,
     #[serde(default)]
     pub result: Option<String>,
@@ -33,6 +32,15 @@ pub struct Resolve {
 /// resolve is 409 `stale_resolve`). `completed`/`failed` append the call's result; `retry`
 /// dispatches the call again in the run's next slice. When no uncertain operation remains the
 /// SAME run is requeued. 200 `{operation, run}`; 400 `invalid_outcome`; 404.
+#[utoipa::path(
+    post, path = "/api/runs/{id}/operations/{key}/resolve", tag = "operations", operation_id = "resolve_operation",
+    params(("id" = Uuid, Path, description = "Run id"), ("key" = String, Path, description = "Operation key `run:{runId}:call:{toolCallId}`")),
+    request_body = Resolve,
+    responses((status = 200, description = "The operation and the run", body = crate::views::Resolved),
+              (status = 400, description = "`invalid_outcome`", body = crate::views::ErrorBody),
+              (status = 404, description = "No such run or operation", body = crate::views::ErrorBody),
+              (status = 409, description = "`stale_resolve`", body = crate::views::ErrorBody))
+)]
 pub async fn resolve_operation(
     state: web::Data<AppState>,
     who: Authenticated,
@@ -53,18 +61,8 @@ pub async fn resolve_operation(
             ));
         }
     };
-    let mut conn = state.pool.get().await?;
-    let run = runs::get_owned(&mut conn, run_id, who.0.id).await?.ok_or(ApiError::NotFound)?;
-    let principal = who.0.id;
     let label = body.outcome.clone();
-    let (operation, run) = (*conn)
-        .transaction(async |conn| operations::resolve(conn, run.id, &key, principal, outcome, body.run_updated_at).await)
-        .await
-        .map_err(|e| match e {
-            ResolveError::NotFound => ApiError::NotFound,
-            ResolveError::Stale(message) => ApiError::conflict("stale_resolve", message),
-            ResolveError::Query(q) => q.into(),
-        })?;
+    let response = commands::resolve(&state.store, who.0.id, run_id, &key, outcome, body.run_updated_at).await?;
     metrics::counter!("agentloop_operations_resolved_total", "outcome" => label).increment(1);
-    Ok(HttpResponse::Ok().json(json!({"operation": operation, "run": run.to_json()})))
+    Ok(HttpResponse::Ok().json(response))
 }

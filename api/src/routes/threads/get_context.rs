@@ -15,6 +15,12 @@ use crate::extract::Authenticated;
 /// `{snapshot: {version, fromSequence, toSequence, tokens} | null, instructions: {messages,
 /// tokens}, tail: {messages, tokens, fromSequence}, tools: tokens | null (tool schemas, from the
 /// worker's last measurement), total, measured (the worker's last count), limit, threshold}`.
+#[utoipa::path(
+    get, path = "/api/threads/{id}/context", tag = "threads", operation_id = "get_context",
+    params(("id" = Uuid, Path, description = "Thread id")),
+    responses((status = 200, description = "Context accounting in tokens", body = crate::views::ContextView),
+              (status = 404, description = "Not the caller's thread", body = crate::views::ErrorBody))
+)]
 pub async fn get_context(state: web::Data<AppState>, who: Authenticated, path: web::Path<Uuid>) -> Result<HttpResponse, ApiError> {
     let mut conn = state.pool.get().await?;
     let thread = threads::get_owned(&mut conn, path.into_inner(), who.0.id).await?.ok_or(ApiError::NotFound)?;

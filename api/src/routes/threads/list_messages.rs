@@ -31,12 +31,19 @@ const WIDEN_BATCH: i64 = 64;
 
 /// Query: `before` / `after` (exclusive sequence bounds, each optional), `take` 1..200 (100),
 /// `maxBytes` 64 KiB..2 MiB (512 KiB). Out-of-range values are clamped.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(rename_all = "camelCase")]
 pub struct PageQuery {
+    /// Exclusive upper sequence bound.
     pub before: Option<i64>,
+    /// Exclusive lower sequence bound.
     pub after: Option<i64>,
+    /// Messages per page (out-of-range values are clamped).
+    #[param(minimum = 1, maximum = 200)]
     pub take: Option<i64>,
+    /// Byte budget of the page (out-of-range values are clamped).
+    #[param(minimum = 65536, maximum = 2097152)]
     pub max_bytes: Option<i64>,
 }
 
@@ -44,13 +51,23 @@ pub struct PageQuery {
 /// `before` only → the `take` messages just before it; `after` (with or without `before`) → the
 /// `take` just after it; neither → the latest `take`. The page is cut at `maxBytes` (stored
 /// `byte_size`; a single larger message is returned truncated with `truncated: true`), then
-/// widened — beyond `take` and the byte budget, never beyond the requested bounds — so an
-/// assistant message with tool calls and its contiguous tool results are never split.
+/// widened to whole tool groups (seed 000, SPEC §6: an assistant message with tool calls and
+/// its contiguous tool results are never split) — beyond `take`, the byte budget and, when a
+/// bound falls inside a group, that bound too: the page then also holds rows the client asked
+/// to exclude (merge by `sequence`). Pages walked with `before = firstSequence` or
+/// `after = lastSequence` never overlap, because their edges are group edges.
 ///
 /// Body: `{messages, firstSequence, lastSequence, hasMoreBefore, hasMoreAfter}`; the flags say
 /// whether active messages remain between the page and the requested bound on that side (the
 /// thread's start/end when the bound is absent). Cost: a handful of index range scans on
-/// `messages_active_by_sequence`, independent of the thread's length.
+/// `messages_active_by_sequence`, independent of the thread's length (plus one scan per 64
+/// rows of a group the page widens over).
+#[utoipa::path(
+    get, path = "/api/threads/{id}/messages", tag = "threads", operation_id = "list_messages",
+    params(("id" = Uuid, Path, description = "Thread id"), PageQuery),
+    responses((status = 200, description = "A page of active messages", body = crate::views::MessagePage),
+              (status = 404, description = "Not the caller's thread", body = crate::views::ErrorBody))
+)]
 pub async fn list_messages(
     state: web::Data<AppState>,
     who: Authenticated,
@@ -92,10 +109,10 @@ pub async fn list_messages(
         return Ok(empty());
     };
 
-    // 2. Widen both edges to whole tool groups, within the requested bounds.
-    let first = if low.is_tool_result() { widen_down(&mut conn, thread.id, low.sequence, after).await? } else { low.sequence };
+    // 2. Widen both edges to whole tool groups, past the requested bounds if a group crosses one.
+    let first = if low.is_tool_result() { widen_down(&mut conn, thread.id, low.sequence).await? } else { low.sequence };
     let last = if high.is_tool_result() || high.starts_tool_group() {
-        widen_up(&mut conn, thread.id, high.sequence, before).await?
+        widen_up(&mut conn, thread.id, high.sequence).await?
     } else {
         high.sequence
     };
@@ -118,6 +135,8 @@ pub async fn list_messages(
             out.push(views::message_json(row, limit));
         }
     }
+    let mut conn = state.pool.get().await?;
+    crate::reads::annotate_branches(&mut conn, thread.id, &mut out).await?;
     Ok(HttpResponse::Ok().json(json!({
         "messages": out,
         "firstSequence": rows.first().map(|m| m.sequence),
@@ -128,11 +147,12 @@ pub async fn list_messages(
 }
 
 /// The page starts with a tool result: walk down to the assistant tool-call message that opens
-/// its group (tool results in between included). Returns the new first sequence.
-async fn widen_down(conn: &mut AsyncPgConnection, thread_id: Uuid, from: i64, floor: Option<i64>) -> Result<i64, ApiError> {
+/// its group (tool results in between included; orphan results stop at the first other
+/// message). Returns the new first sequence.
+async fn widen_down(conn: &mut AsyncPgConnection, thread_id: Uuid, from: i64) -> Result<i64, ApiError> {
     let mut first = from;
     loop {
-        let batch = messages::active_meta_between(conn, thread_id, floor, Some(first), true, WIDEN_BATCH).await?;
+        let batch = messages::active_meta_between(conn, thread_id, None, Some(first), true, WIDEN_BATCH).await?;
         let full = batch.len() as i64 == WIDEN_BATCH;
         for meta in batch {
             if meta.is_tool_result() {
@@ -152,10 +172,10 @@ async fn widen_down(conn: &mut AsyncPgConnection, thread_id: Uuid, from: i64, fl
 
 /// The page ends inside a tool group: walk up over the contiguous tool results that follow.
 /// Returns the new last sequence.
-async fn widen_up(conn: &mut AsyncPgConnection, thread_id: Uuid, from: i64, ceiling: Option<i64>) -> Result<i64, ApiError> {
+async fn widen_up(conn: &mut AsyncPgConnection, thread_id: Uuid, from: i64) -> Result<i64, ApiError> {
     let mut last = from;
     loop {
-        let batch = messages::active_meta_between(conn, thread_id, Some(last), ceiling, false, WIDEN_BATCH).await?;
+        let batch = messages::active_meta_between(conn, thread_id, Some(last), None, false, WIDEN_BATCH).await?;
         let full = batch.len() as i64 == WIDEN_BATCH;
         for meta in batch {
             if !meta.is_tool_result() {

@@ -13,9 +13,14 @@ use crate::extract::Authenticated;
 use crate::views;
 
 /// Query: `limit` 1..100 (default 50); `cursor` from the previous page's `nextCursor`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// Page size (out-of-range values are clamped).
+    #[param(minimum = 1, maximum = 100)]
     pub limit: Option<i64>,
+    /// `nextCursor` of the previous page.
+    #[param(max_length = 200)]
     pub cursor: Option<String>,
 }
 
@@ -27,18 +32,29 @@ fn parse_cursor(cursor: &str) -> Option<(DateTime<Utc>, Uuid)> {
 
 /// Thread summaries, most recently updated first: id, title, model, authoritative
 /// `messageCount`, a one-message `preview` (≤ 200 characters), active `run`, `updatedAt`, `sig`.
+#[utoipa::path(
+    get, path = "/api/threads", tag = "threads", operation_id = "list_threads",
+    params(ListQuery),
+    responses((status = 200, description = "Thread summaries, most recently updated first", body = crate::views::ThreadList),
+              (status = 400, description = "`invalid_cursor`, `invalid_query`", body = crate::views::ErrorBody))
+)]
 pub async fn list_threads(
     state: web::Data<AppState>,
     who: Authenticated,
     query: web::Query<ListQuery>,
 ) -> Result<HttpResponse, ApiError> {
-    let limit = query.limit.unwrap_or(50).clamp(1, 100);
-    let before = match query.cursor.as_deref() {
+    Ok(HttpResponse::Ok().json(page(&state, who.0.id, query.limit, query.cursor.as_deref()).await?))
+}
+
+/// One page of [`list_threads`] for `principal` (shared with the MCP tool `list_threads`).
+pub async fn page(state: &AppState, principal: Uuid, limit: Option<i64>, cursor: Option<&str>) -> Result<serde_json::Value, ApiError> {
+    let limit = limit.unwrap_or(50).clamp(1, 100);
+    let before = match cursor {
         Some(c) => Some(parse_cursor(c).ok_or_else(|| ApiError::bad_request("invalid_cursor", "cursor is malformed"))?),
         None => None,
     };
     let mut conn = state.pool.get().await?;
-    let page = threads::list(&mut conn, who.0.id, limit, before).await?;
+    let page = threads::list(&mut conn, principal, limit, before).await?;
     let mut items = Vec::with_capacity(page.len());
     for thread in &page {
         let preview = messages::preview(&mut conn, thread.id, 200).await?;
@@ -51,11 +67,11 @@ pub async fn list_threads(
             "preview": preview,
             "run": views::run_json(run.as_ref()),
             "updatedAt": thread.updated_at,
-            "sig": views::sig(thread, run.as_ref()),
+            "sig": views::sig(thread, run.as_ref(), thread.streaming_message.as_ref().unwrap_or(&serde_json::Value::Null)),
         }));
     }
     let next = (page.len() as i64 == limit)
         .then(|| page.last().map(|t| format!("{}_{}", t.updated_at.timestamp_micros(), t.id)))
         .flatten();
-    Ok(HttpResponse::Ok().json(json!({"threads": items, "nextCursor": next})))
+    Ok(json!({"threads": items, "nextCursor": next}))
 }

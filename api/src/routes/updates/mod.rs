@@ -25,7 +25,7 @@ pub async fn next_batch(conn: &mut AsyncPgConnection, thread_id: Uuid, cursor: i
         // A cursor from the future (e.g. another thread's id): treat as a reset to the present.
         return Ok(Batch::Reset { sequence: current });
     }
-    let events = events::read_after(conn, thread_id, cursor, BATCH).await?;
+    let events = crate::hub::read_journal(conn, thread_id, cursor, BATCH, crate::hub::BATCH_BYTES).await?;
     if let Some(first) = events.first() {
         if first.sequence > cursor + 1 {
             return Ok(Batch::Reset { sequence: current });

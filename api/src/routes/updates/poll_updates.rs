@@ -18,16 +18,31 @@ const MAX_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Query: `afterSequence` (omit to start at the present), `timeoutMs` (0..60000; default
 /// `LONG_POLL_TIMEOUT_MS`).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(rename_all = "camelCase")]
 pub struct PollQuery {
+    /// Journal sequence to resume after (omit: the present).
     pub after_sequence: Option<i64>,
+    /// Longest wait in ms (above the server's `LONG_POLL_MAX_MS` it is cut to it).
+    #[param(minimum = 0, maximum = 60000)]
     pub timeout_ms: Option<u64>,
 }
 
 /// Returns at once when events newer than the cursor exist, else waits up to the timeout for
-/// one. Body: `{events: [{sequence, kind, payload, createdAt}], nextSequence, reset}`; with
+/// one; a wait ends with 401 `credentials_revoked` when the key or session is revoked meanwhile
+/// (within `REVOCATION_CHECK_MS`). Counts against the live-connection limits while it waits. Body: `{events: [{sequence, kind, payload, createdAt}], nextSequence, reset}`; with
 /// `reset: true` the client refetches the window and resumes from `nextSequence`.
+#[utoipa::path(
+    get, path = "/api/threads/{id}/updates", tag = "updates", operation_id = "poll_updates",
+    params(("id" = Uuid, Path, description = "Thread id"), PollQuery,
+           ("Last-Event-ID" = Option<String>, Header, description = "Resume after this journal sequence (wins over afterSequence)")),
+    responses((status = 200, description = "Events after the cursor, or none after the timeout", body = crate::views::PollAnswer),
+              (status = 400, description = "`invalid_last_event_id`, `invalid_query`", body = crate::views::ErrorBody),
+              (status = 401, description = "`unauthorized`, or `credentials_revoked` when the key or session ended while waiting", body = crate::views::ErrorBody),
+              (status = 404, description = "Not the caller's thread", body = crate::views::ErrorBody),
+              (status = 429, description = "`too_many_live_connections` or a rate limit", body = crate::views::ErrorBody))
+)]
 pub async fn poll_updates(
     state: web::Data<AppState>,
     who: Authenticated,
@@ -36,11 +51,14 @@ pub async fn poll_updates(
     query: web::Query<PollQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let requested = resume_cursor(&req, query.after_sequence)?;
-    let timeout = query.timeout_ms.map_or(state.long_poll_timeout, Duration::from_millis).min(MAX_TIMEOUT);
+    let timeout = query.timeout_ms.map_or(state.long_poll_timeout, Duration::from_millis).min(MAX_TIMEOUT).min(state.long_poll_max);
+    let guard = state.limits.open_live(who.0.id, who.1)?;
+    let revoked = guard.revoked();
     let thread_id = path.into_inner();
     let mut conn = state.pool.get().await?;
     let thread = threads::get_owned(&mut conn, thread_id, who.0.id).await?.ok_or(ApiError::NotFound)?;
     drop(conn);
+    let _client = super::stream_updates::LiveClient::of("long-poll");
     let mut wake = state.hub.subscribe(thread_id);
     let cursor = requested.unwrap_or(thread.last_event_sequence);
     let deadline = tokio::time::Instant::now() + timeout;
@@ -63,6 +81,12 @@ pub async fn poll_updates(
         tokio::select! {
             changed = wake.changed() => if changed.is_err() { break },
             _ = tokio::time::sleep_until(deadline) => break,
+            _ = revoked.cancelled() => {
+                return Err(ApiError::Unauthenticated {
+                    code: "credentials_revoked",
+                    message: "the API key or session of this request was revoked or expired".into(),
+                });
+            }
         }
     }
     Ok(HttpResponse::Ok().json(json!({"events": [], "nextSequence": cursor, "reset": false})))

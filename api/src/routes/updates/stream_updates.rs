@@ -16,9 +16,11 @@ use crate::extract::Authenticated;
 use crate::{AppState, Transport, views};
 
 /// Query: `afterSequence` (journal sequence to resume after; `Last-Event-ID` wins).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(rename_all = "camelCase")]
 pub struct StreamQuery {
+    /// Journal sequence to resume after (omit: the present).
     pub after_sequence: Option<i64>,
 }
 
@@ -29,6 +31,23 @@ pub struct StreamQuery {
 /// resume position was pruned. Without a resume position the stream starts at the present.
 /// Closing the connection never cancels anything. 503 `sse_unavailable` when the transport is
 /// configured `long-poll`.
+///
+/// Each stream counts against `LIVE_MAX_PER_PRINCIPAL` / `LIVE_MAX_CONNECTIONS` (429
+/// `too_many_live_connections`); when its key is revoked or expires, or its session ends, it gets
+/// a final `error` event (`{"error":{"code":"credentials_revoked",...}}`) and closes within
+/// `REVOCATION_CHECK_MS` plus a query; after `SSE_MAX_STREAM_MS` (if set) it closes and the
+/// client resumes with `Last-Event-ID`. Events larger than `LIVE_EVENT_MAX_BYTES` arrive slimmed
+/// (see `hub::slim`).
+#[utoipa::path(
+    get, path = "/api/threads/{id}/updates/stream", tag = "updates", operation_id = "stream_updates",
+    params(("id" = Uuid, Path, description = "Thread id"), StreamQuery,
+           ("Last-Event-ID" = Option<String>, Header, description = "Resume after this journal sequence (wins over afterSequence)")),
+    responses((status = 200, description = "Server-sent events: `connected`, `thread`, journal events (`id:` = sequence), `heartbeat`, `reset`, and a final `error` when the credentials are revoked", content_type = "text/event-stream", body = crate::views::SseEvent),
+              (status = 400, description = "`invalid_last_event_id`", body = crate::views::ErrorBody),
+              (status = 404, description = "Not the caller's thread", body = crate::views::ErrorBody),
+              (status = 429, description = "`too_many_live_connections` or a rate limit", body = crate::views::ErrorBody),
+              (status = 503, description = "`sse_unavailable` (EVENTS_TRANSPORT=long-poll) or `database_unavailable`", body = crate::views::ErrorBody))
+)]
 pub async fn stream_updates(
     state: web::Data<AppState>,
     who: Authenticated,
@@ -43,23 +62,29 @@ pub async fn stream_updates(
         });
     }
     let requested = resume_cursor(&req, query.after_sequence)?;
+    let guard = state.limits.open_live(who.0.id, who.1)?;
     let mut conn = state.pool.get().await?;
     let thread = threads::get_owned(&mut conn, path.into_inner(), who.0.id).await?.ok_or(ApiError::NotFound)?;
     let run = runs::latest_for_thread(&mut conn, thread.id).await?;
+    let streaming = views::streaming(&mut conn, &thread).await?;
     drop(conn);
     let wake = state.hub.subscribe(thread.id);
     let cursor = requested.unwrap_or(thread.last_event_sequence);
-    let (tx, rx) = mpsc::channel::<sse::Event>(64);
+    // Small: every queued event is at most LIVE_EVENT_MAX_BYTES, and a slow reader only
+    // holds this many.
+    let (tx, rx) = mpsc::channel::<sse::Event>(16);
     let connected = json!({"threadId": thread.id, "sequence": cursor, "transport": state.transport.as_str()});
+    let mut thread_view = views::thread_json(&thread);
+    crate::hub::slim(&mut thread_view, state.hub.event_bound());
     let snapshot = json!({
-        "thread": views::thread_json(&thread),
+        "thread": thread_view,
         "run": views::run_json(run.as_ref()),
-        "streamingMessage": views::streaming_json(&thread),
-        "sig": views::sig(&thread, run.as_ref()),
+        "sig": views::sig(&thread, run.as_ref(), &streaming),
+        "streamingMessage": streaming,
     });
     let _ = tx.try_send(data("connected", &connected, None));
     let _ = tx.try_send(data("thread", &snapshot, None));
-    tokio::spawn(pump(state.clone(), thread.id, cursor, wake, tx));
+    tokio::spawn(pump(state.clone(), thread.id, cursor, wake, tx, guard));
     Ok(sse::Sse::from_infallible_receiver(rx)
         .with_retry_duration(Duration::from_secs(2))
         .customize()
@@ -82,10 +107,25 @@ async fn pump(
     mut cursor: i64,
     mut wake: tokio::sync::watch::Receiver<u64>,
     tx: mpsc::Sender<sse::Event>,
+    guard: crate::limits::LiveGuard,
 ) {
     let heartbeat = state.sse_heartbeat;
     let _client = LiveClient::new();
+    let revoked = guard.revoked();
+    let end = (!state.sse_max_stream.is_zero()).then(|| tokio::time::Instant::now() + state.sse_max_stream);
+    let until_end = async move {
+        match end {
+            Some(end) => tokio::time::sleep_until(end).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(until_end);
     loop {
+        if revoked.is_cancelled() {
+            let error = crate::error::envelope("credentials_revoked", "the API key or session of this stream was revoked or expired");
+            let _ = tx.send(data("error", &error, None)).await;
+            return;
+        }
         wake.borrow_and_update();
         let batch = state.hub.next_batch(&state.pool, thread_id, cursor).await;
         let mut sent_any = false;
@@ -122,22 +162,29 @@ async fn pump(
                 }
             }
             _ = tx.closed() => return,
+            _ = revoked.cancelled() => {}
+            _ = &mut until_end => return,
         }
     }
 }
 
-/// Counts connected SSE clients in the `agentloop_live_clients{transport="sse"}` gauge.
-struct LiveClient;
+/// Counts connected live-update clients in the `agentloop_live_clients{transport}` gauge
+/// (`sse` streams, `long-poll` requests waiting) while it lives.
+pub(crate) struct LiveClient(&'static str);
 
 impl LiveClient {
-    fn new() -> Self {
-        metrics::gauge!("agentloop_live_clients", "transport" => "sse").increment(1.0);
-        Self
+    pub(crate) fn new() -> Self {
+        Self::of("sse")
+    }
+
+    pub(crate) fn of(transport: &'static str) -> Self {
+        metrics::gauge!("agentloop_live_clients", "transport" => transport).increment(1.0);
+        Self(transport)
     }
 }
 
 impl Drop for LiveClient {
     fn drop(&mut self) {
-        metrics::gauge!("agentloop_live_clients", "transport" => "sse").decrement(1.0);
+        metrics::gauge!("agentloop_live_clients", "transport" => self.0).decrement(1.0);
     }
 }

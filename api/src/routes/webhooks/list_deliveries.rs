@@ -1,0 +1,59 @@
+//! `GET /api/webhooks/{id}/deliveries?status=&limit=`.
+
+use actix_web::{HttpResponse, web};
+use serde::Deserialize;
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::AppState;
+use crate::error::ApiError;
+use crate::extract::Authenticated;
+
+/// Query: `status` (`pending|delivered|failed`; default all) and `limit` (1..=200, default 50).
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct DeliveriesQuery {
+    /// Only deliveries in this status.
+    #[serde(default)]
+    #[param(value_type = Option<String>, pattern = "^(pending|delivered|failed)$")]
+    pub status: Option<String>,
+    #[serde(default)]
+    #[param(minimum = 1, maximum = 200)]
+    pub limit: Option<i64>,
+}
+
+/// `{deliveries: [...]}`, newest first: `id`, `messageId` (the `webhook-id` header), `eventType`,
+/// `runId`, `threadId`, `status` (`pending|delivered|failed`), `attempts`, `nextAttemptAt`,
+/// `payload` (the event as sent) and `attemptLog` (each attempt: times, `statusCode`, the start
+/// of the answer in `responseBody` (at most 1 KiB), `error`). 404 for another principal's webhook.
+#[utoipa::path(
+    get, path = "/api/webhooks/{id}/deliveries", tag = "webhooks", operation_id = "list_webhook_deliveries",
+    params(("id" = Uuid, Path, description = "Webhook id"), DeliveriesQuery),
+    responses((status = 200, description = "The webhook's deliveries, newest first", body = crate::views::DeliveryList),
+              (status = 400, description = "`invalid_query`", body = crate::views::ErrorBody),
+              (status = 404, description = "Not the caller's webhook", body = crate::views::ErrorBody))
+)]
+pub async fn list_deliveries(
+    state: web::Data<AppState>,
+    who: Authenticated,
+    path: web::Path<Uuid>,
+    query: web::Query<DeliveriesQuery>,
+) -> Result<HttpResponse, ApiError> {
+    let mut arg = json!({"principalId": who.0.id, "webhookId": path.into_inner()});
+    match query.status.as_deref() {
+        None => {}
+        Some(status @ ("pending" | "delivered" | "failed")) => arg["status"] = status.into(),
+        Some(other) => {
+            return Err(ApiError::bad_request("invalid_query", format!("status must be pending, delivered or failed, not '{other}'")));
+        }
+    }
+    let limit = query.limit.unwrap_or(50);
+    if !(1..=200).contains(&limit) {
+        return Err(ApiError::bad_request("invalid_query", "limit must be within 1..=200"));
+    }
+    arg["limit"] = limit.into();
+    let mut conn = state.pool.get().await?;
+    let deliveries = crate::reads::webhook_deliveries(&mut conn, arg).await?;
+    Ok(HttpResponse::Ok().json(deliveries.ok_or(ApiError::NotFound)?))
+}
