@@ -73,7 +73,7 @@ async function shown(page) {
   return page.$$eval(sel('message'), els => els.map(e => ({
     seq: Number(e.dataset.sequence), role: e.dataset.role,
     // A tool result sits in its (collapsed) call: its text content.
-    text: e.dataset.role === 'tool' ? e.textContent.trim() : (e.querySelector(':scope > .bubble') || e).innerText.trim(),
+    text: e.dataset.role === 'tool' ? e.textContent.trim() : (e.querySelector('.bubble') || e).textContent.trim(),
   })));
 }
 
@@ -102,6 +102,7 @@ async function act(page, seq, action) {
   const msg = page.locator(`${sel('message')}[data-sequence="${seq}"]`);
   await msg.hover();
   await msg.locator(`.acts ${sel(action)}`).click();
+  if (action === 'delete') await page.locator(sel('confirm-ok')).click(); // delete asks to confirm
   return msg;
 }
 
@@ -224,13 +225,17 @@ export const tests = [
       await page.locator(sel('streaming')).waitFor({ state: 'visible' }); // its context is counted already
       // The next model call (the queued turn's) is over the threshold: it compacts first.
       await patchMetadata(page, thread, { compactRecentMessages: 4, compactThreshold: 150 });
-      await page.check('#enqueue');
       const queued = 'Queued question: what happens next?';
-      await send(page, queued);
+      await page.fill(sel('composer'), queued);
+      await page.keyboard.press('Enter');
+      // Sending during a run offers the choice in plain words.
+      await page.locator(sel('busy-choice')).waitFor();
+      await page.click(sel('queue-send'));
       const turn = page.locator(sel('queued-turn'));
       await turn.waitFor();
       assert((await turn.locator('.bubble').innerText()).trim() === queued, 'the queued turn shows its text');
       assert((await turn.innerText()).includes('queued'), 'it is labelled queued');
+      assert(await page.locator(sel('stop')).isVisible(), 'Send became Stop while the run is active');
       assert(!(await shown(page)).some(m => m.text === queued), 'not yet a message');
       await shot(page, '07-queued.png');
       await waitMessage(page, 'assistant', slowText);

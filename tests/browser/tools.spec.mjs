@@ -62,7 +62,7 @@ async function send(page, text) {
   await page.click(sel('send'));
 }
 
-const lastOf = (page, role) => page.locator(`${sel('message')}[data-role="${role}"]`).last().innerText();
+const lastOf = (page, role) => page.locator(`${sel('message')}[data-role="${role}"] > .bubble`).last().innerText();
 
 export const tests = [
   {

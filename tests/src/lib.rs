@@ -7,6 +7,8 @@
 //! `postgres://postgres@127.0.0.1:5432/postgres`). Binaries are taken from the cargo target
 //! directory of the running test (build with `cargo build --workspace` first).
 
+pub mod proxy;
+
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -41,14 +43,15 @@ pub fn bin_dir() -> PathBuf {
     dir
 }
 
-fn bin(name: &str) -> PathBuf {
+/// The path of the workspace binary `name` (built by `cargo build --workspace`).
+pub fn bin(name: &str) -> PathBuf {
     let path = bin_dir().join(name);
     assert!(path.exists(), "{} is missing: run `cargo build --workspace` first", path.display());
     path
 }
 
 /// Folder for this test's process logs: `test-output/<test name>/`.
-fn log_dir(test: &str) -> PathBuf {
+pub fn log_dir(test: &str) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../test-output").join(test);
     std::fs::create_dir_all(&root).expect("create test-output dir");
     root
@@ -184,7 +187,8 @@ impl Drop for Proc {
     }
 }
 
-fn spawn_logged(test: &str, name: &str, mut cmd: Command) -> Result<Proc> {
+/// Spawns `cmd` with stdout and stderr in `test-output/<test>/<name>.log`.
+pub fn spawn_logged(test: &str, name: &str, mut cmd: Command) -> Result<Proc> {
     let dir = log_dir(test);
     let log = std::fs::File::create(dir.join(format!("{name}.log")))?;
     cmd.stdout(Stdio::from(log.try_clone()?)).stderr(Stdio::from(log)).stdin(Stdio::null());
@@ -230,6 +234,20 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
 
+/// Limits of the api (issue 10) set high for tests and benchmarks that are not about limits:
+/// one principal there makes far more requests, runs and live connections than the defaults
+/// allow. Tests of the limits override them through `StackOptions::api_env`.
+pub const GENEROUS_LIMITS: &[(&str, &str)] = &[
+    ("API_RATE_PER_SECOND", "100000"),
+    ("API_RATE_BURST", "100000"),
+    ("AUTH_FAILURES_PER_MINUTE", "100000"),
+    ("LIVE_MAX_PER_PRINCIPAL", "100000"),
+    ("LIVE_MAX_CONNECTIONS", "100000"),
+    ("MAX_ACTIVE_RUNS_PER_PRINCIPAL", "100000"),
+    ("MAX_QUEUED_TURNS_PER_PRINCIPAL", "100000"),
+    ("MAX_THREADS_PER_PRINCIPAL", "1000000"),
+];
+
 /// Options of a test stack.
 #[derive(Clone)]
 pub struct StackOptions {
@@ -240,11 +258,15 @@ pub struct StackOptions {
     pub worker_env: Vec<(String, String)>,
     /// Extra environment for the api.
     pub api_env: Vec<(String, String)>,
+    /// Connect the api (all its connections, listener included) through [`Stack::proxy`].
+    pub api_through_proxy: bool,
+    /// Connect every worker through [`Stack::proxy`].
+    pub workers_through_proxy: bool,
 }
 
 impl Default for StackOptions {
     fn default() -> Self {
-        Self { workers: 1, server: None, worker_env: Vec::new(), api_env: Vec::new() }
+        Self { workers: 1, server: None, worker_env: Vec::new(), api_env: Vec::new(), api_through_proxy: false, workers_through_proxy: false }
     }
 }
 
@@ -257,6 +279,9 @@ pub struct Stack {
     pub api_url: String,
     pub workers: Vec<Proc>,
     pub key: String,
+    /// The TCP proxy to PostgreSQL, when [`StackOptions::api_through_proxy`] or
+    /// [`StackOptions::workers_through_proxy`] is set (the test's own clients connect directly).
+    pub proxy: Option<proxy::Proxy>,
     options: StackOptions,
     next_worker: usize,
 }
@@ -268,16 +293,27 @@ impl Stack {
         let db = TestDb::create_on(&options.server.clone().unwrap_or_else(admin_url)).await?;
         let mock = MockModel::start()?;
         let key = create_key(&db.url, "tester")?;
+        let proxy = if options.api_through_proxy || options.workers_through_proxy {
+            Some(proxy::Proxy::start(&host_port(&db.url)).await?)
+        } else {
+            None
+        };
+        let via = |on: bool| match (&proxy, on) {
+            (Some(p), true) => p.url(&db.url),
+            _ => db.url.clone(),
+        };
+        let api_db_url = via(options.api_through_proxy);
         let port = free_port();
         let mut cmd = Command::new(bin("agentloop-api"));
         cmd.arg("run")
-            .env("DATABASE_URL", &db.url)
+            .env("DATABASE_URL", &api_db_url)
             .env("API_LISTEN", format!("127.0.0.1:{port}"))
             .env("MODEL_BASE_URL", format!("{}/v1", mock.url))
             .env("MODEL_NAME", "mock")
             .env("API_WORKERS", "2")
             .env("DB_POOL_SIZE", "8")
-            .env("RUST_LOG", "info");
+            .env("RUST_LOG", "info")
+            .envs(GENEROUS_LIMITS.iter().copied());
         for (k, v) in &options.api_env {
             cmd.env(k, v);
         }
@@ -291,6 +327,7 @@ impl Stack {
             api_url,
             workers: Vec::new(),
             key,
+            proxy,
             options: options.clone(),
             next_worker: 0,
         };
@@ -306,9 +343,13 @@ impl Stack {
     pub fn add_worker(&mut self, extra: &[(&str, &str)]) -> Result<usize> {
         let n = self.next_worker;
         self.next_worker += 1;
+        let url = match (&self.proxy, self.options.workers_through_proxy) {
+            (Some(p), true) => p.url(&self.db.url),
+            _ => self.db.url.clone(),
+        };
         let mut cmd = Command::new(bin("agentloop-worker"));
         cmd.arg("run")
-            .env("DATABASE_URL", &self.db.url)
+            .env("DATABASE_URL", &url)
             .env("MODEL_BASE_URL", format!("{}/v1", self.mock.url))
             .env("MODEL_NAME", "mock")
             .env("WORKER_ID", format!("w{n}"))
@@ -326,10 +367,10 @@ impl Stack {
     async fn wait_ready(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
-            if let Ok(r) = reqwest::get(format!("{}/readyz", self.api_url)).await {
-                if r.status().is_success() {
-                    return Ok(());
-                }
+            if let Ok(r) = reqwest::get(format!("{}/readyz", self.api_url)).await
+                && r.status().is_success()
+            {
+                return Ok(());
             }
             if Instant::now() > deadline {
                 bail!("api not ready within {timeout:?}");
@@ -350,7 +391,15 @@ impl Stack {
     }
 }
 
-fn create_key(url: &str, principal: &str) -> Result<String> {
+/// `host:port` of a `postgres://[user@]host:port/db` URL.
+fn host_port(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    authority.rsplit_once('@').map_or(authority, |(_, h)| h).to_owned()
+}
+
+/// Creates an API key of `principal` in the database at `url` (`agentloop-worker create-key`).
+pub fn create_key(url: &str, principal: &str) -> Result<String> {
     let out = Command::new(bin("agentloop-worker"))
         .args(["create-key", "--principal", principal])
         .env("DATABASE_URL", url)
@@ -517,6 +566,11 @@ impl PgCluster {
     pub fn restart(&self) -> Result<()> {
         self.ctl(&["restart"])
     }
+
+    /// The cluster's directory: `data/`, the socket, and the server log `log`.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
 }
 
 impl Drop for PgCluster {
@@ -528,3 +582,6 @@ impl Drop for PgCluster {
 
 /// Signals re-exported for fault tests.
 pub use nix::sys::signal::Signal as Sig;
+
+pub mod chaos;
+pub mod cluster;

@@ -2,7 +2,11 @@
 //! one worker, the mock model), seeds a 10,000-message thread with SQL, then runs
 //! `node tests/browser/run.mjs` (playwright-core driving Debian's Chromium at
 //! `/usr/bin/chromium`), then `node tests/browser/branches.spec.mjs` (edit/regenerate/delete,
-//! compaction, queued turns), and requires exit status 0 of each. Screenshots: `test-output/browser/`.
+//! compaction, queued turns), and requires exit status 0 of each; then `tests/browser/ui.spec.mjs`
+//! (issue 11: the UI as a product) on a second stack built for it — no loopback principal (the
+//! page signs in), the api's database connections through a TCP proxy, short leases, a 4,096-token
+//! model context — with a small control server the spec calls to cut the database, stop or
+//! continue the worker, and make or revoke keys. Screenshots: `test-output/browser/`.
 //!
 //! Without `node`/`npm` or `/usr/bin/chromium` the test prints why and passes — unless `CI` is
 //! set, where missing tools are a failure (`.ci/run` installs them). A missing
@@ -12,7 +16,13 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use agentloop_tests::proxy::FreezeAt;
 use agentloop_tests::{Stack, StackOptions};
+use nix::sys::signal::Signal;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::Mutex;
 use uuid::Uuid;
 
 const CHROMIUM: &str = "/usr/bin/chromium";
@@ -110,34 +120,128 @@ async fn web_ui_in_headless_chromium() {
     let out_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../test-output/browser");
     std::fs::create_dir_all(&out_dir).unwrap();
     // run.mjs, then the specs of later features (same stack), each with its own log.
+    let env = [("API_URL", stack.api_url.clone()), ("DATABASE_URL", stack.db.url.clone()), ("BIG_THREAD_ID", big.to_string())];
+    let mut failed = Vec::new();
     for (script, log) in [("run.mjs", "run.log"), ("branches.spec.mjs", "branches-run.log")] {
-        let started = Instant::now();
-        let child = tokio::process::Command::new("node")
-            .arg(script)
-            .current_dir(&dir)
-            .env("API_URL", &stack.api_url)
-            .env("DATABASE_URL", &stack.db.url)
-            .env("BIG_THREAD_ID", big.to_string())
-            .env("OUT_DIR", &out_dir)
-            .env("CHROMIUM", CHROMIUM)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawning node");
-        let output = tokio::time::timeout(Duration::from_secs(240), child.wait_with_output())
-            .await
-            .unwrap_or_else(|_| panic!("browser tests ({script}) did not finish within 240 s"))
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let _ = std::fs::write(out_dir.join(log), format!("{stdout}\n--- stderr ---\n{stderr}"));
-        println!("{stdout}");
-        if !stderr.trim().is_empty() {
-            println!("--- stderr ---\n{stderr}");
+        if !run_node(&dir, &out_dir, script, log, &env).await {
+            failed.push(script);
         }
-        println!("browser tests ({script}) took {:?}", started.elapsed());
-        assert!(output.status.success(), "browser tests ({script}) failed ({}); see test-output/browser/{log}:\n{stdout}\n{stderr}", output.status);
     }
+    drop(stack);
+
+    // The UI as a product (issue 11), on a stack of its own.
+    let lease = vec![("WORKER_LEASE_MS".to_owned(), "6000".to_owned()), ("WORKER_RENEW_MS".to_owned(), "1000".to_owned()), ("MODEL_CONTEXT_TOKENS".to_owned(), "4096".to_owned())];
+    let mut api_env = lease.clone();
+    api_env.push(("UNCLAIMED_AFTER_MS".into(), "2000".into()));
+    let options = StackOptions { workers: 1, api_env, worker_env: lease, api_through_proxy: true, ..Default::default() };
+    let stack = Arc::new(Mutex::new(Stack::start("browser_ui", options).await.unwrap()));
+    let (api_url, control_url) = {
+        let s = stack.lock().await;
+        (s.api_url.clone(), control_server(stack.clone()).await)
+    };
+    if !run_node(&dir, &out_dir, "ui.spec.mjs", "ui-run.log", &[("API_URL", api_url), ("CONTROL_URL", control_url)]).await {
+        failed.push("ui.spec.mjs");
+    }
+    assert!(failed.is_empty(), "browser tests failed: {failed:?} (logs in test-output/browser/)");
+}
+
+/// Runs `node script` in `dir` with `env`, its output also written to `out_dir/log`; whether it
+/// passed (panics when it takes longer than 240 s).
+async fn run_node(dir: &Path, out_dir: &Path, script: &str, log: &str, env: &[(&str, String)]) -> bool {
+    let started = Instant::now();
+    let mut cmd = tokio::process::Command::new("node");
+    cmd.arg(script).current_dir(dir).env("OUT_DIR", out_dir).env("CHROMIUM", CHROMIUM);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true).spawn().expect("spawning node");
+    let output = tokio::time::timeout(Duration::from_secs(240), child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("browser tests ({script}) did not finish within 240 s"))
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let _ = std::fs::write(out_dir.join(log), format!("{stdout}\n--- stderr ---\n{stderr}"));
+    println!("{stdout}");
+    if !stderr.trim().is_empty() {
+        println!("--- stderr ---\n{stderr}");
+    }
+    println!("browser tests ({script}) took {:?}", started.elapsed());
+    if !output.status.success() {
+        println!("browser tests ({script}) failed ({}); see test-output/browser/{log}", output.status);
+    }
+    output.status.success()
+}
+
+/// A loopback HTTP server the UI spec drives faults with (`POST <path>`, answer: text):
+/// `/db/down` (the api's database connections are cut and new ones hang), `/db/up`,
+/// `/worker/stop` (SIGSTOP), `/worker/cont` (SIGCONT), `/key/new?principal=NAME` (a new key),
+/// `/key/revoke?principal=NAME`, `/thread/retire-model?id=THREAD` (pins the thread to a model
+/// the server does not configure). Returns its base URL; it lives as long as the test.
+async fn control_server(stack: Arc<Mutex<Stack>>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else { return };
+            let stack = stack.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let n = sock.read(&mut buf).await.unwrap_or(0);
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let target = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
+                let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+                let arg = |name: &str| query.split('&').find_map(|kv| kv.strip_prefix(&format!("{name}="))).unwrap_or("").to_owned();
+                let s = stack.lock().await;
+                let result: Result<String, String> = match path {
+                    "/db/down" => {
+                        let proxy = s.proxy.as_ref().unwrap();
+                        proxy.cut_all();
+                        proxy.freeze_new(FreezeAt::Start);
+                        Ok("down".into())
+                    }
+                    "/db/up" => {
+                        s.proxy.as_ref().unwrap().pass();
+                        Ok("up".into())
+                    }
+                    "/worker/stop" => {
+                        s.workers[0].signal(Signal::SIGSTOP);
+                        Ok("stopped".into())
+                    }
+                    "/worker/cont" => {
+                        s.workers[0].signal(Signal::SIGCONT);
+                        Ok("continued".into())
+                    }
+                    "/key/new" => s.client_for(&arg("principal")).map(|c| c.key.unwrap_or_default()).map_err(|e| e.to_string()),
+                    "/key/revoke" => {
+                        let db = s.db.client().await.map_err(|e| e.to_string());
+                        match db {
+                            Ok(db) => db
+                                .execute("UPDATE api_keys SET revoked_at = now() WHERE principal_id = (SELECT id FROM principals WHERE name = $1)", &[&arg("principal")])
+                                .await
+                                .map(|n| format!("revoked {n}"))
+                                .map_err(|e| e.to_string()),
+                            Err(e) => Err(e),
+                        }
+                    }
+                    "/thread/retire-model" => match (s.db.client().await, Uuid::parse_str(&arg("id"))) {
+                        (Ok(db), Ok(id)) => db
+                            .execute("UPDATE threads SET model = 'retired-model' WHERE id = $1", &[&id])
+                            .await
+                            .map(|n| format!("updated {n}"))
+                            .map_err(|e| e.to_string()),
+                        _ => Err("bad thread id or database".into()),
+                    },
+                    other => Err(format!("unknown control {other}")),
+                };
+                let (status, body) = match result {
+                    Ok(b) => ("200 OK", b),
+                    Err(e) => ("500 Internal Server Error", e),
+                };
+                let reply = format!("HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len());
+                let _ = sock.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    url
 }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use agentloop_shared::messages::{self, NewMessage, Provenance, role};
+use agentloop_shared::messages::{self, NewMessage, role};
 use agentloop_tests::{Stack, StackOptions, TestDb, script};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use serde_json::{Value, json};
@@ -20,25 +20,43 @@ fn seqs(window: &Value) -> Vec<i64> {
 
 #[tokio::test]
 async fn double_delivery_of_a_checkpoint_adds_nothing() {
+    use agentloop_shared::store::{PoolSettings, Replay, Store, Timing};
     let db = TestDb::create().await.unwrap();
     let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();
     let owner = agentloop_shared::auth::ensure_principal(&mut conn, "p").await.unwrap();
-    let thread = agentloop_shared::threads::create(&mut conn, owner.id, Default::default()).await.unwrap();
+    let client = db.client().await.unwrap();
+    let store = Store::new(
+        &PoolSettings { database_url: db.url.clone(), application_name: "test".into(), statement_timeout: Duration::from_secs(10), max_size: 2, wait_timeout: Duration::from_secs(5) },
+        Timing { call_timeout: Duration::from_secs(10), retry_for: Duration::from_secs(5) },
+    )
+    .unwrap();
+    let created = agentloop_shared::commands::create_thread(&store, owner.id, String::new(), None, json!({})).await.unwrap();
+    let thread = agentloop_shared::threads::get(&mut conn, created["id"].as_str().unwrap().parse().unwrap()).await.unwrap();
+    let run: uuid::Uuid = client
+        .query_one(
+            "INSERT INTO runs (id, thread_id, principal_id, status, model, lease_owner, lease_epoch, lease_expires_at)
+             VALUES (gen_random_uuid(), $1, $2, 'running', 'mock', 'w', 3, now() + interval '1 minute') RETURNING id",
+            &[&thread.id, &owner.id],
+        )
+        .await
+        .unwrap()
+        .get(0);
     let batch = vec![NewMessage::text(role::USER, "hi"), NewMessage::text(role::ASSISTANT, "hello")];
-    let first = messages::append(&mut conn, thread.id, Provenance::default(), &batch, &[None, None]).await.unwrap();
-    assert_eq!(first.len(), 2);
-    let identities: Vec<Option<i64>> = first.iter().map(|(_, m)| Some(m.timestamp_ms)).collect();
-    // Re-delivering the same identities (e.g. a retried checkpoint) appends and updates nothing.
-    let again = messages::append(&mut conn, thread.id, Provenance::default(), &batch, &identities).await.unwrap();
-    assert!(again.is_empty());
-    // A mixed batch appends only the new identity.
-    let mut mixed = batch.clone();
-    mixed.push(NewMessage::text(role::USER, "more"));
-    let mut ids = identities.clone();
-    ids.push(None);
-    let third = messages::append(&mut conn, thread.id, Provenance::default(), &mixed, &ids).await.unwrap();
-    assert_eq!(third.len(), 1);
-    assert_eq!(third[0].0, 2);
+    let commit = |id: &str, epoch: i64, messages: &[NewMessage]| {
+        json!({"commitId": id, "runId": run, "threadId": thread.id, "owner": "w", "epoch": epoch, "leaseMs": 60000, "messages": messages})
+    };
+    let first = store.call("agentloop_commit", &commit("c1", 3, &batch), Replay::Safe, None).await.unwrap();
+    assert_eq!(first["messages"].as_array().unwrap().len(), 2);
+    // Re-delivering the same commit (its answer was lost) appends nothing and returns the first
+    // result.
+    let again = store.call("agentloop_commit", &commit("c1", 3, &batch), Replay::Safe, None).await.unwrap();
+    assert_eq!(again["replayed"], true);
+    assert_eq!(again["messages"], first["messages"]);
+    // Another commit appends; a commit under a stale fencing token writes nothing.
+    let third = store.call("agentloop_commit", &commit("c2", 3, &[NewMessage::text(role::USER, "more")]), Replay::Safe, None).await.unwrap();
+    assert_eq!(third["messages"][0]["sequence"], 3);
+    let stale = store.call("agentloop_commit", &commit("c3", 2, &[NewMessage::text(role::USER, "stale")]), Replay::Safe, None).await.unwrap();
+    assert_eq!(stale["lost"], true);
     let rows = messages::active_after(&mut conn, thread.id, 0).await.unwrap();
     assert_eq!(rows.iter().map(|m| m.sequence).collect::<Vec<_>>(), [1, 2, 3]);
     assert!(rows.windows(2).all(|w| w[1].timestamp_ms > w[0].timestamp_ms), "monotonic identities");

@@ -301,17 +301,20 @@ async fn paging_never_splits_a_tool_group() {
     assert_eq!(seqs(&p["messages"]), range(2, 7));
     assert_eq!(roles(&p), ["assistant", "tool", "tool", "tool", "tool", "tool"]);
     assert_eq!(p["hasMoreAfter"], true);
-    // Starting on a result inside the group: the requested bound is respected, the rest of the
-    // group (up to the next non-tool message) is included.
+    // A bound inside the group: the page still holds the whole group (rows at or below
+    // `after` included), so a page never starts with a result whose call it lacks.
     let p = page(&stack, &thread, "after=3&take=1").await;
-    assert_eq!(seqs(&p["messages"]), range(4, 7));
+    assert_eq!(seqs(&p["messages"]), range(2, 7));
+    assert_eq!((p["hasMoreBefore"].as_bool(), p["hasMoreAfter"].as_bool()), (Some(false), Some(true)));
     // Latest page ending in a group: take=2 lands on two results, widened to the whole group.
     let p = page(&stack, &thread, "take=2").await;
     assert_eq!(seqs(&p["messages"]), range(40, 43));
     assert_eq!(p["hasMoreAfter"], false);
     // Both edges at once.
     let p = page(&stack, &thread, "after=4&before=12&take=6").await;
-    assert_eq!(seqs(&p["messages"]), range(5, 11), "ends on group b's call: its results up to `before`");
+    assert_eq!(seqs(&p["messages"]), range(2, 18), "both bounds inside groups: both groups whole");
+    let p = page(&stack, &thread, "before=11&take=1").await;
+    assert_eq!(seqs(&p["messages"]), range(10, 18), "a lone call never ends a page");
     let p = page(&stack, &thread, "after=8&take=3").await;
     assert_eq!(seqs(&p["messages"]), range(9, 18));
     // A group larger than the byte budget is still whole; the extra results are truncated.
@@ -337,6 +340,193 @@ async fn paging_never_splits_a_tool_group() {
         }
         let all: Vec<i64> = pages.into_iter().rev().flatten().collect();
         assert_eq!(all, range(1, 43), "take={take}");
+    }
+}
+
+/// A thread's active rows as paging sees them, and the page the route must answer for a query.
+struct Paging {
+    /// (sequence, role, has tool calls) of every active message, ascending.
+    rows: Vec<(i64, String, bool)>,
+}
+
+impl Paging {
+    fn tool(&self, i: usize) -> bool {
+        self.rows[i].1 == "tool"
+    }
+
+    fn call(&self, i: usize) -> bool {
+        self.rows[i].1 == "assistant" && self.rows[i].2
+    }
+
+    /// Widens the index range `lo..=hi` to whole tool groups (a call and its contiguous results).
+    fn whole(&self, mut lo: usize, mut hi: usize) -> (usize, usize) {
+        while lo > 0 && self.tool(lo) && (self.tool(lo - 1) || self.call(lo - 1)) {
+            lo -= 1;
+        }
+        while hi + 1 < self.rows.len() && self.tool(hi + 1) && (self.tool(hi) || self.call(hi)) {
+            hi += 1;
+        }
+        (lo, hi)
+    }
+
+    /// Checks a page answered for `after`/`before`/`take`. `cores` are the acceptable core sizes
+    /// (exactly `take` unless a byte budget may cut it).
+    fn check(&self, after: Option<i64>, before: Option<i64>, take: usize, byte_cut: bool, p: &Value) -> Result<(), String> {
+        let got = seqs(&p["messages"]);
+        let inside: Vec<usize> = (0..self.rows.len())
+            .filter(|&i| after.is_none_or(|a| self.rows[i].0 > a) && before.is_none_or(|b| self.rows[i].0 < b))
+            .collect();
+        let (Some(&start), Some(&end)) = (inside.first(), inside.last()) else {
+            return if got.is_empty() { Ok(()) } else { Err("nothing is in bounds".into()) };
+        };
+        // Whatever the query, neither edge of the page splits a group.
+        if let (Some(first), Some(last)) = (got.first(), got.last()) {
+            let (fi, li) = (self.index(*first)?, self.index(*last)?);
+            if self.tool(fi) && fi > 0 && (self.tool(fi - 1) || self.call(fi - 1)) {
+                return Err(format!("starts with tool result {first}, splitting its group"));
+            }
+            if li + 1 < self.rows.len() && self.tool(li + 1) && (self.tool(li) || self.call(li)) {
+                return Err(format!("ends at {last} although tool result {} of its group follows", self.rows[li + 1].0));
+            }
+        }
+        // Exactly the `take` rows nearest the anchor (fewer when bytes cut), widened to whole groups.
+        let sizes = if byte_cut { 1..=take.min(inside.len()) } else { take.min(inside.len())..=take.min(inside.len()) };
+        let mut tried = Vec::new();
+        for n in sizes {
+            let (lo, hi) = if after.is_some() { (start, inside[n - 1]) } else { (inside[inside.len() - n], end) };
+            let (lo, hi) = self.whole(lo, hi);
+            let expected: Vec<i64> = self.rows[lo..=hi].iter().map(|r| r.0).collect();
+            if expected == got {
+                // Flags: active rows left between the page and the requested bound on each side.
+                let (more_before, more_after) = (lo > start, hi < end);
+                if p["hasMoreBefore"] != more_before || p["hasMoreAfter"] != more_after {
+                    return Err(format!("flags {} / {}, expected {more_before} / {more_after}", p["hasMoreBefore"], p["hasMoreAfter"]));
+                }
+                if p["firstSequence"] != self.rows[lo].0 || p["lastSequence"] != self.rows[hi].0 {
+                    return Err("firstSequence / lastSequence do not match the rows".into());
+                }
+                return Ok(());
+            }
+            tried.push(expected);
+        }
+        Err(format!("expected {}", tried.iter().map(|t| format!("{t:?}")).collect::<Vec<_>>().join(" or ")))
+    }
+
+    fn index(&self, sequence: i64) -> Result<usize, String> {
+        self.rows.iter().position(|r| r.0 == sequence).ok_or(format!("{sequence} is not an active row"))
+    }
+}
+
+/// Property (seed 000: paging never splits an assistant tool call from its results): on a
+/// thread with tool groups of 1..5 results — at its very start and end, back to back,
+/// separated by plain turns and by an inactive (edited) row — every page, for every `take`
+/// 1..=5 and every `after`/`before` position (each alone, both, neither; positions inside
+/// groups included), is exactly the `take` rows nearest its anchor widened to whole groups
+/// (past a bound that falls inside a group), with exact flags; walking backward and forward
+/// from either end visits every active row exactly once. A second pass repeats it with 40 KiB
+/// results and `maxBytes=65536`, where the byte budget cuts pages inside groups.
+#[tokio::test]
+async fn paging_property_every_take_and_cursor_keeps_groups_whole() {
+    let stack = Stack::start("reads_paging_property", StackOptions { workers: 0, ..Default::default() }).await.unwrap();
+    let c = stack.client();
+    let db = stack.db.client().await.unwrap();
+    for (pass, big) in [(0, 2usize), (1, 40 * KIB)] {
+        let thread = c.create_thread().await.unwrap();
+        let body = |i: usize| "r".repeat(big.max(i + 1));
+        let mut rows = vec![calls("a", 2), result("a", 0, body(0)), result("a", 1, body(1))]; // 1..3: a group at the start
+        rows.push(calls("b", 1)); // 4: back to back with a
+        rows.push(result("b", 0, body(0))); // 5
+        rows.push(msg("user", "edited away")); // 6: made inactive below
+        rows.push(msg("user", "q")); // 7
+        rows.push(calls("c", 3)); // 8
+        rows.extend((0..3).map(|i| result("c", i, body(i)))); // 9..11
+        rows.push(calls("d", 1)); // 12
+        rows.push(result("d", 0, body(0))); // 13
+        rows.push(msg("assistant", "text")); // 14
+        rows.push(msg("user", "q2")); // 15
+        rows.push(calls("e", 5)); // 16
+        rows.extend((0..5).map(|i| result("e", i, body(i)))); // 17..21
+        rows.push(msg("user", "q3")); // 22
+        rows.push(calls("f", 2)); // 23
+        rows.extend((0..2).map(|i| result("f", i, body(i)))); // 24..25: a group at the end
+        assert_eq!(insert(&db, &thread, &rows).await, 25);
+        let id = Uuid::parse_str(&thread).unwrap();
+        db.execute("UPDATE messages SET active = false WHERE thread_id = $1 AND sequence = 6", &[&id]).await.unwrap();
+        db.execute("UPDATE threads SET message_count = message_count - 1 WHERE id = $1", &[&id]).await.unwrap();
+        let paging = Paging {
+            rows: db
+                .query("SELECT sequence, role, tool_calls IS NOT NULL FROM messages WHERE thread_id = $1 AND active ORDER BY sequence", &[&id])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (r.get(0), r.get(1), r.get(2)))
+                .collect(),
+        };
+        let bytes = if pass == 1 { "&maxBytes=65536" } else { "" };
+        let mut queries = Vec::new();
+        for take in 1..=5usize {
+            for after in std::iter::once(None).chain((0..=25).map(Some)) {
+                for before in std::iter::once(None).chain((1..=26).map(Some)) {
+                    if matches!((after, before), (Some(a), Some(b)) if b <= a) {
+                        continue;
+                    }
+                    let mut q = format!("take={take}{bytes}");
+                    q.extend(after.map(|a| format!("&after={a}")));
+                    q.extend(before.map(|b| format!("&before={b}")));
+                    queries.push((after, before, take, q));
+                }
+            }
+        }
+        let answers: Vec<_> = futures_util::stream::iter(queries)
+            .map(|(after, before, take, q)| {
+                let c = c.clone();
+                let path = format!("/api/threads/{thread}/messages?{q}");
+                async move { (after, before, take, q, c.get(&path).await.unwrap()) }
+            })
+            .buffer_unordered(6)
+            .collect()
+            .await;
+        let mut failures = Vec::new();
+        for (after, before, take, q, r) in &answers {
+            assert_eq!(r.status, 200, "{q}: {r:?}");
+            if let Err(e) = paging.check(*after, *before, *take, pass == 1, &r.body) {
+                failures.push(format!("{q}: {e}, got {:?}", seqs(&r.body["messages"])));
+            }
+        }
+        failures.sort();
+        // Walks from both ends.
+        let all: Vec<i64> = paging.rows.iter().map(|r| r.0).collect();
+        for take in 1..=5usize {
+            let (mut cursor, mut back) = (None::<i64>, Vec::new());
+            loop {
+                let q = cursor.map_or(format!("take={take}{bytes}"), |b| format!("before={b}&take={take}{bytes}"));
+                let p = page(&stack, &thread, &q).await;
+                back.splice(0..0, seqs(&p["messages"]));
+                if p["hasMoreBefore"] != true || back.len() > all.len() {
+                    break;
+                }
+                cursor = p["firstSequence"].as_i64();
+            }
+            let (mut cursor, mut fwd) = (0i64, Vec::new());
+            loop {
+                let p = page(&stack, &thread, &format!("after={cursor}&take={take}{bytes}")).await;
+                fwd.extend(seqs(&p["messages"]));
+                if p["hasMoreAfter"] != true || fwd.len() > all.len() {
+                    break;
+                }
+                cursor = p["lastSequence"].as_i64().unwrap();
+            }
+            if back != all || fwd != all {
+                failures.push(format!("take={take}{bytes}: walks {back:?} / {fwd:?}"));
+            }
+        }
+        assert!(
+            failures.is_empty(),
+            "pass {pass}: {} of {} pages wrong, e.g.:\n{}",
+            failures.len(),
+            answers.len(),
+            failures.iter().step_by((failures.len() / 30).max(1)).cloned().collect::<Vec<_>>().join("\n")
+        );
     }
 }
 

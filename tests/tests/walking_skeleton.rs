@@ -332,7 +332,7 @@ async fn auth_scoping_and_bad_input() {
         .unwrap();
     assert_eq!(r.body["error"]["code"], "idempotency_key_mismatch");
     let r = c.get("/nope").await.unwrap();
-    assert_eq!((r.status, r.body["error"]["code"].as_str()), (404, Some("not_found")));
+    assert_eq!((r.status, r.body["error"]["code"].as_str()), (404, Some("route_not_found")));
     // Nothing was half-written by the bad requests.
     assert_eq!(messages(&stack, &thread).await.len(), 0);
 }
@@ -411,17 +411,20 @@ async fn stateless_chat_completions_run_through_the_durable_loop() {
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(r.body["object"], "chat.completion");
     assert_eq!(r.body["choices"][0]["message"]["content"], "The result is 42.");
-    // The hidden thread is gone from the caller's list; its run was durable like any other.
+    // The hidden thread is gone: a stateless request keeps no conversation (issue 12; its run
+    // was durable like any other while it ran: tests/tests/ecosystem.rs).
     assert!(c.get("/api/threads").await.unwrap().body["threads"].as_array().unwrap().is_empty());
     let db = stack.db.client().await.unwrap();
-    let (runs, tools): (i64, i64) = {
+    let (threads, runs, messages): (i64, i64, i64) = {
         let row = db
-            .query_one("SELECT (SELECT count(*) FROM runs WHERE status = 'completed'), (SELECT count(*) FROM messages WHERE role = 'tool')", &[])
+            .query_one("SELECT (SELECT count(*) FROM threads), (SELECT count(*) FROM runs), (SELECT count(*) FROM messages)", &[])
             .await
             .unwrap();
-        (row.get(0), row.get(1))
+        (row.get(0), row.get(1), row.get(2))
     };
-    assert_eq!((runs, tools), (1, 1));
+    assert_eq!((threads, runs, messages), (0, 0, 0));
+    let sent = stack.mock.requests().await.unwrap();
+    assert_eq!(sent.iter().filter(|r| r["messages"].as_array().unwrap().iter().any(|m| m["role"] == "tool")).count(), 1, "the tool ran in the worker");
     let r = c.post("/v1/chat/completions", json!({"messages": []})).await.unwrap();
     assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_messages")));
     let r = c.post("/v1/chat/completions", json!({"messages": [{"role": "wizard", "content": "x"}]})).await.unwrap();
@@ -486,13 +489,53 @@ async fn openapi_document_lists_every_route() {
         ("post", "/api/approvals/{id}/reject"),
         ("get", "/api/runs/{id}/operations"),
         ("post", "/api/runs/{id}/operations/{key}/resolve"),
+        ("post", "/api/session"),
+        ("get", "/api/session"),
+        ("delete", "/api/session"),
     ];
     for (method, path) in routes {
         assert!(r.body["paths"][path][method].is_object(), "missing {method} {path}");
     }
     let chat = &r.body["paths"]["/api/threads/{id}/chat"]["post"];
     assert_eq!(chat["parameters"][0]["name"], "id");
-    assert!(chat["requestBody"]["content"]["application/json"]["schema"]["properties"]["content"].is_object());
+    let body = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].as_str().unwrap();
+    let body = &r.body["components"]["schemas"][body.rsplit('/').next().unwrap()];
+    assert!(body["properties"]["content"].is_object(), "{body}");
+    assert_eq!(body["required"], json!(["content"]));
+    let accepted = chat["responses"]["202"]["content"]["application/json"]["schema"]["$ref"].as_str().unwrap();
+    assert!(r.body["components"]["schemas"][accepted.rsplit('/').next().unwrap()]["properties"]["run"].is_object(), "typed 2xx body");
     assert_eq!(chat["responses"]["409"]["content"]["application/json"]["schema"]["$ref"], "#/components/schemas/Error");
     assert_eq!(chat["security"][0]["bearer"], json!([]));
+}
+
+/// A present but empty idempotency key is refused, never dropped (a retry would post the turn
+/// twice), on chat (header and `commandId`) and import; a refused request writes nothing. The
+/// server's own metadata keys (`stateless`, `clientTools`) cannot be set by a client.
+#[tokio::test]
+async fn empty_idempotency_keys_and_reserved_metadata_are_refused() {
+    let stack = Stack::start("skeleton_key_rules", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let chat = format!("/api/threads/{thread}/chat");
+    for (headers, body) in [
+        (vec![("Idempotency-Key", "")], json!({"content": "hi"})),
+        (vec![("Idempotency-Key", "   ")], json!({"content": "hi"})),
+        (vec![], json!({"content": "hi", "commandId": ""})),
+    ] {
+        let r = c.send(reqwest::Method::POST, &chat, Some(body.clone()), &headers).await.unwrap();
+        assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_idempotency_key")), "{headers:?} {body}: {r:?}");
+    }
+    let r = c.send(reqwest::Method::POST, "/api/threads/import", Some(json!([{"role": "user", "content": "x"}])), &[("Idempotency-Key", "")]).await.unwrap();
+    assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_idempotency_key")), "{r:?}");
+    let db = stack.db.client().await.unwrap();
+    let runs: i64 = db.query_one("SELECT count(*) FROM runs", &[]).await.unwrap().get(0);
+    assert_eq!(runs, 0, "nothing was written");
+    for key in ["stateless", "clientTools"] {
+        let r = c.post("/api/threads", json!({"metadata": {key: true}})).await.unwrap();
+        assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_metadata")), "{key}: {r:?}");
+        let r = c.send(reqwest::Method::PATCH, &format!("/api/threads/{thread}"), Some(json!({"metadata": {key: []}})), &[]).await.unwrap();
+        assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_metadata")), "{key}: {r:?}");
+    }
+    let r = c.post(&chat, json!({"content": "hi", "commandId": "k1"})).await.unwrap();
+    assert_eq!(r.status, 202, "a real key still works: {r:?}");
 }

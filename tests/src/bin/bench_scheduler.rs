@@ -3,6 +3,7 @@
 //! ```text
 //! cargo build --release --workspace
 //! cargo run --release -p agentloop-tests --bin bench-scheduler -- [--runs 20000] [--latency-runs 1000]
+//! target/release/bench-scheduler --only concurrency --streams 1000 --watchers 50
 //! ```
 //!
 //! It spawns the release binaries next to itself (`target/release/agentloop-api`,
@@ -24,7 +25,27 @@
 //! 4. SQL per run: transactions per run from `pg_stat_database.xact_commit` over phase (1)
 //!    (minus the benchmark's own polls), statements and round trips per run counted by a
 //!    protocol-level proxy between the workers and PostgreSQL over `--statement-runs` runs
-//!    (and by `pg_stat_statements` over phase (1) when the server preloads it).
+//!    (and by `pg_stat_statements` over phase (1) when the server preloads it);
+//! 5. concurrency: `--streams` runs (1,000) streaming at once on ONE worker process
+//!    (`WORKER_CONCURRENCY` = streams, `DB_POOL_SIZE` = `--stream-pool`, 16), each answered by
+//!    the mock in `--stream-chunks` (50) chunks of 3 words every `--stream-seconds` /
+//!    `--stream-chunks` (100 ms), the words naming their chunk (`c0007.0 c0007.1 c0007.2`).
+//!    The runs are inserted with SQL, `--watchers` (50) SSE clients connect to as many of their
+//!    threads (spread over the claim order) before the worker starts. Reported against the
+//!    issue's targets: statuses (0 failed), first claim -> last finish (<= stream-seconds + 3 s),
+//!    the worker's peak RSS (VmRSS every 100 ms, and VmHWM; <= 200 MiB), its connections in
+//!    `pg_stat_activity` (<= DB_POOL_SIZE + 4), the SSE clients' offset gaps (0) and chunk delay
+//!    (p99 <= 500 ms; chunk i's delay = receive time - (t0 + i x interval), t0 = the minimum over
+//!    the stream's chunks of receive time - i x interval: lag relative to the stream's own
+//!    best-delivered chunk), the committed answers; plus PostgreSQL transactions/s and WAL
+//!    bytes/s over the phase, the server-side flush times, the worker's own metrics and the CPU
+//!    split. Per-chunk data: `test-output/bench-scheduler/concurrency-chunks.csv`.
+//!
+//! `--only throughput,latency,statements,concurrency` runs some phases only (pgbench goes with
+//! throughput). The soft open-files limit is raised to the hard limit at start-up (the worker
+//! and the mock need a socket per stream and inherit it). Targets are printed with PASS/FAIL
+//! next to the figures; the benchmark exits 0 whatever they are, non-zero only when a phase
+//! could not be measured.
 //!
 //! Every process it starts and both databases it creates are removed at the end, on error, and
 //! on SIGINT/SIGTERM. Process logs go to `test-output/bench-scheduler/`.
@@ -46,7 +67,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_postgres::NoTls;
 use uuid::Uuid;
 
-/// Scheduler benchmark: claim+complete throughput vs pgbench, enqueue-to-start latency, SQL per run.
+/// Scheduler benchmark: claim+complete throughput vs pgbench, enqueue-to-start latency, SQL per run,
+/// concurrent streaming runs on one worker.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "bench-scheduler")]
 struct Args {
@@ -74,6 +96,63 @@ struct Args {
     /// Runs inserted per SQL statement when enqueueing.
     #[arg(long, default_value_t = 2_000)]
     batch: u32,
+    /// Concurrent streaming runs of the concurrency phase, all on ONE worker
+    /// (WORKER_CONCURRENCY = this); 0 skips the phase.
+    #[arg(long, default_value_t = 1_000)]
+    streams: u32,
+    /// Length of each streamed answer of the concurrency phase, seconds (the mock sleeps
+    /// stream-seconds / stream-chunks between two chunks).
+    #[arg(long, default_value_t = 5.0)]
+    stream_seconds: f64,
+    /// Content chunks of each streamed answer.
+    #[arg(long, default_value_t = 50)]
+    stream_chunks: u32,
+    /// SSE clients of the concurrency phase, each watching one of the streaming threads.
+    #[arg(long, default_value_t = 50)]
+    watchers: u32,
+    /// DB_POOL_SIZE of the concurrency phase's worker.
+    #[arg(long, default_value_t = 16)]
+    stream_pool: u32,
+    /// Run only these phases (comma-separated); default: all. `throughput` includes pgbench.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    only: Vec<Phase>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Phase {
+    Throughput,
+    Latency,
+    Statements,
+    Concurrency,
+}
+
+impl Args {
+    fn runs_phase(&self, phase: Phase) -> bool {
+        self.only.is_empty() || self.only.contains(&phase)
+    }
+}
+
+/// Targets of the issues, printed next to the figures (a benchmark reports; it does not assert).
+/// Issue 3: transactions and round trips per run (one slice, final answer, no tool call).
+const TARGET_XACTS_PER_RUN: f64 = 4.0;
+const TARGET_ROUND_TRIPS_PER_RUN: f64 = 10.0;
+/// Issue 3: claim+complete runs/s over pgbench -N TPS at the same client count.
+const TARGET_PGBENCH_RATIO: f64 = 0.7;
+/// Concurrency phase: every run ends within this long after the first claim (for 5 s answers:
+/// the answer's length + this slack = 8 s).
+const TARGET_STREAM_SLACK_SECS: f64 = 3.0;
+/// Concurrency phase: peak RSS of the one worker.
+const TARGET_WORKER_RSS_MIB: f64 = 200.0;
+/// Concurrency phase: p99 delay of a chunk to an SSE client (relative to the stream's best chunk).
+const TARGET_CHUNK_P99_MS: f64 = 500.0;
+/// Concurrency phase: worker connections beyond DB_POOL_SIZE (1 lease keeper, 1 listener,
+/// 2 maintenance).
+const WORKER_EXTRA_CONNECTIONS: i64 = 4;
+/// Words per streamed content chunk of the mock model (`WORDS_PER_CHUNK` in mock_model/wire.rs).
+const MOCK_WORDS_PER_CHUNK: usize = 3;
+
+fn mark(pass: bool) -> &'static str {
+    if pass { "PASS" } else { "FAIL" }
 }
 
 const USER_TEXT: &str = "hello from the scheduler benchmark";
@@ -81,6 +160,9 @@ const TERMINAL_SQL: &str = "SELECT count(*) FROM runs WHERE status NOT IN ('comp
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    // Before any thread exists: the worker, api and mock inherit the raised limit (the
+    // concurrency phase needs a socket per stream in the worker and in the mock).
+    let nofile = raise_nofile();
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -96,7 +178,7 @@ fn main() -> ExitCode {
         };
         // The bench runs in its own task: on a signal it is aborted, which drops (kills) every
         // child process and drops (DROP DATABASE ... WITH (FORCE)) every database it created.
-        let mut task = tokio::spawn(bench(args));
+        let mut task = tokio::spawn(bench(args, nofile));
         let interrupted = tokio::select! {
             result = &mut task => {
                 return match result {
@@ -119,6 +201,18 @@ fn main() -> ExitCode {
         eprintln!("{}: stopped every process and dropped the databases", interrupted.0);
         ExitCode::from(interrupted.1)
     })
+}
+
+/// Raises the soft open-files limit to the hard limit; returns the soft limit now in force.
+fn raise_nofile() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() { hard } else { soft }
+        }
+        Ok((soft, _)) => soft,
+        Err(_) => 1024,
+    }
 }
 
 fn log(msg: impl AsRef<str>) {
@@ -246,6 +340,7 @@ impl Env {
             .env("API_LISTEN", format!("127.0.0.1:{port}"))
             .env("MODEL_BASE_URL", format!("{}/v1", self.mock_url))
             .env("MODEL_NAME", "mock")
+            .envs(agentloop_tests::GENEROUS_LIMITS.iter().copied())
             .env("API_WORKERS", "2")
             .env("RUST_LOG", "warn");
         spawn_logged("api", cmd)
@@ -1029,8 +1124,842 @@ async fn statement_phase(env: &mut Env) -> Result<Option<Statements>> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Concurrency phase: many concurrent streaming runs on ONE worker
 
-async fn bench(args: Args) -> Result<()> {
+/// The answer of every streaming run: `stream_chunks` chunks of [`MOCK_WORDS_PER_CHUNK`] words,
+/// each word naming its chunk (`c0007.0 c0007.1 c0007.2 c0008.0 ...`), so the last word of any
+/// partial tells which chunk it reaches.
+fn stream_text(chunks: u32) -> String {
+    (0..chunks)
+        .flat_map(|c| (0..MOCK_WORDS_PER_CHUNK).map(move |j| format!("c{c:04}.{j}")))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The highest chunk whose words are all in `partial` (`None`: not even chunk 0).
+fn chunk_reached(partial: &str) -> Option<u32> {
+    let last = partial.split_whitespace().last()?;
+    let (c, j) = last.strip_prefix('c')?.split_once('.')?;
+    let (c, j): (u32, usize) = (c.parse().ok()?, j.parse().ok()?);
+    if j + 1 == MOCK_WORDS_PER_CHUNK { Some(c) } else { c.checked_sub(1) }
+}
+
+/// Truncates `s` to its first `units` UTF-16 code units.
+fn truncate_utf16(s: &mut String, units: usize) {
+    let mut seen = 0;
+    for (at, c) in s.char_indices() {
+        if seen >= units {
+            s.truncate(at);
+            return;
+        }
+        seen += c.len_utf16();
+    }
+}
+
+/// What one SSE client of a streaming thread saw.
+#[derive(Default)]
+struct Watch {
+    /// Receive time (ms since the phase's base instant) at which each chunk was first complete.
+    chunk_at: Vec<Option<f64>>,
+    /// Per `streaming` event: receive time and the newest chunk the partial then reached.
+    newest: Vec<(f64, u32)>,
+    /// Chunks first seen in the final `message` event (never streamed to this client).
+    via_message: u64,
+    deltas: u64,
+    /// `offset` > length of the partial: text missed.
+    gaps: u64,
+    /// 0 < `offset` < length of the partial: text sent twice.
+    overlaps: u64,
+    /// `offset` 0 on a non-empty partial (a new model call of the run).
+    restarts: u64,
+    resets: u64,
+    /// The partial when the run ended.
+    partial: String,
+    /// Content of the assistant message event.
+    message: Option<String>,
+    status: Option<String>,
+    error: Option<String>,
+}
+
+/// One SSE client of `thread`: signals `ready` after `connected`, then applies events until the
+/// run ended and its message arrived, or `stop`.
+async fn watch_thread(
+    http: reqwest::Client,
+    url: String,
+    key: String,
+    chunks: u32,
+    base: Instant,
+    ready: tokio::sync::oneshot::Sender<Result<()>>,
+    stop: tokio_util::sync::CancellationToken,
+) -> Watch {
+    let mut w = Watch { chunk_at: vec![None; chunks as usize], ..Watch::default() };
+    let opened = async {
+        let r = http.get(&url).bearer_auth(&key).send().await?;
+        ensure!(r.status().is_success(), "SSE: {}", r.status());
+        let mut events = r.bytes_stream().eventsource();
+        while let Some(ev) = events.next().await {
+            if ev.map_err(|e| anyhow!("SSE: {e}"))?.event == "connected" {
+                return Ok(events);
+            }
+        }
+        bail!("SSE stream ended before `connected`")
+    };
+    let mut events = match tokio::time::timeout(Duration::from_secs(30), opened).await {
+        Ok(Ok(events)) => {
+            let _ = ready.send(Ok(()));
+            events
+        }
+        Ok(Err(e)) => {
+            let _ = ready.send(Err(anyhow!("{e:#}")));
+            return w;
+        }
+        Err(_) => {
+            let _ = ready.send(Err(anyhow!("no SSE `connected` within 30 s")));
+            return w;
+        }
+    };
+    let ms = |at: Instant| at.duration_since(base).as_secs_f64() * 1000.0;
+    let mut units = 0usize;
+    let mut reached: Option<u32> = None;
+    loop {
+        let ev = tokio::select! {
+            ev = events.next() => ev,
+            _ = stop.cancelled() => break,
+        };
+        let now = Instant::now();
+        let ev = match ev {
+            Some(Ok(ev)) => ev,
+            Some(Err(e)) => {
+                w.error = Some(format!("SSE: {e}"));
+                break;
+            }
+            None => {
+                w.error = Some("SSE stream ended".into());
+                break;
+            }
+        };
+        let data: Value = serde_json::from_str(&ev.data).unwrap_or(Value::Null);
+        match ev.event.as_str() {
+            "streaming" => {
+                let (Some(offset), Some(delta)) = (data["offset"].as_u64(), data["delta"].as_str()) else { continue };
+                let offset = offset as usize;
+                w.deltas += 1;
+                if offset == 0 {
+                    if units > 0 {
+                        w.restarts += 1;
+                    }
+                    w.partial.clear();
+                    units = 0;
+                } else if offset > units {
+                    w.gaps += 1;
+                } else if offset < units {
+                    w.overlaps += 1;
+                    truncate_utf16(&mut w.partial, offset);
+                    units = offset;
+                }
+                w.partial.push_str(delta);
+                units += delta.encode_utf16().count();
+                if let Some(r) = chunk_reached(&w.partial) {
+                    let from = reached.map_or(0, |p| p + 1);
+                    for i in from..=r.min(chunks.saturating_sub(1)) {
+                        w.chunk_at[i as usize].get_or_insert(ms(now));
+                    }
+                    reached = Some(reached.map_or(r, |p| p.max(r)));
+                    w.newest.push((ms(now), r));
+                }
+            }
+            "message" if data["role"].as_str() == Some("assistant") => {
+                let content = data["content"].as_str().map(str::to_owned).unwrap_or_else(|| data["content"].to_string());
+                // The committed answer delivers whatever the flusher had not streamed yet.
+                if let Some(r) = chunk_reached(&content) {
+                    for at in w.chunk_at.iter_mut().take(r as usize + 1).filter(|at| at.is_none()) {
+                        *at = Some(ms(now));
+                        w.via_message += 1;
+                    }
+                }
+                w.message = Some(content);
+            }
+            "run" => {
+                if let Some(s) = data["status"].as_str() {
+                    w.status = Some(s.to_owned());
+                }
+            }
+            "reset" => w.resets += 1,
+            _ => {}
+        }
+        if w.message.is_some() && matches!(w.status.as_deref(), Some("completed" | "failed" | "cancelled")) {
+            break;
+        }
+    }
+    w
+}
+
+/// `VmRSS` and `VmHWM` of `pid`, in KiB.
+fn rss_kib(pid: i32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// What the 100 ms sampler saw during the phase.
+#[derive(Default, Clone)]
+struct Samples {
+    samples: u64,
+    peak_rss_kib: u64,
+    max_worker_connections: i64,
+    max_api_connections: i64,
+    /// Most worker connections by state at the sample with the most worker connections.
+    busiest: String,
+}
+
+/// Samples the worker's RSS and the connections of the benchmark database every 100 ms (on the
+/// admin connection, another database, so the samples are not counted as its transactions).
+async fn sample(admin: tokio_postgres::Client, db: String, worker_pid: i32, stop: tokio_util::sync::CancellationToken) -> Samples {
+    let mut s = Samples::default();
+    let Ok(stmt) = admin
+        .prepare(
+            "SELECT count(*) FILTER (WHERE application_name LIKE 'agentloop-worker%'),
+                    count(*) FILTER (WHERE application_name LIKE 'agentloop-api%'),
+                    coalesce(string_agg(DISTINCT state, ',') FILTER (WHERE application_name LIKE 'agentloop-worker%'), '')
+             FROM pg_stat_activity WHERE datname = $1",
+        )
+        .await
+    else {
+        return s;
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled() => return s,
+        }
+        s.samples += 1;
+        s.peak_rss_kib = s.peak_rss_kib.max(rss_kib(worker_pid).0);
+        if let Ok(row) = admin.query_one(&stmt, &[&db]).await {
+            let (worker, api): (i64, i64) = (row.get(0), row.get(1));
+            if worker > s.max_worker_connections {
+                s.max_worker_connections = worker;
+                s.busiest = row.get(2);
+            }
+            s.max_api_connections = s.max_api_connections.max(api);
+        }
+    }
+}
+
+struct Concurrency {
+    streams: u32,
+    chunks: u32,
+    interval_ms: u64,
+    pool: u32,
+    nofile: u64,
+    enqueue: Duration,
+    /// Worker spawn -> every run terminal (or the deadline).
+    wall: Duration,
+    worker_exit: Option<String>,
+    not_terminal: i64,
+    completed: i64,
+    failed: i64,
+    cancelled: i64,
+    failures: Vec<String>,
+    reclaimed: i64,
+    /// First claim -> last finish, and first claim -> last claim (database clock).
+    window_secs: f64,
+    claim_spread_secs: f64,
+    /// Per run: finished_at - started_at, ms.
+    run_ms: Vec<f64>,
+    messages_ok: i64,
+    messages_total: i64,
+    samples: Samples,
+    hwm_kib: u64,
+    rss_end_kib: u64,
+    xacts: (i64, i64),
+    polls: u64,
+    wal_bytes: f64,
+    cpu: String,
+    watchers: Vec<Watch>,
+    watcher_errors: Vec<String>,
+    text: String,
+    warn_lines: Vec<String>,
+    warn_count: usize,
+    /// Selected lines of the worker's Prometheus endpoint, read when the last run ended.
+    metrics: Vec<String>,
+    /// Start of each flush transaction (distinct created_at of the phase's streaming journal
+    /// rows), ms after the first claim.
+    flush_ms: Vec<f64>,
+    /// Per run: its first streaming journal row's created_at - run_steps.started_at, ms.
+    first_flush_ms: Vec<f64>,
+    /// Per run: run_steps.started_at - runs.started_at (claim -> slice started), ms.
+    step_ms: Vec<f64>,
+    /// Per run: runs.finished_at - run_steps.started_at, ms.
+    finish_ms: Vec<f64>,
+}
+
+/// The worker's own counters and summaries that explain a slow phase (flush rate and size,
+/// commit and model-call durations, faults, lost leases).
+async fn scrape_worker_metrics(http: &reqwest::Client, port: u16) -> Vec<String> {
+    let Ok(r) = http.get(format!("http://127.0.0.1:{port}/metrics")).timeout(Duration::from_secs(5)).send().await else {
+        return vec!["(worker metrics endpoint did not answer)".into()];
+    };
+    let text = r.text().await.unwrap_or_default();
+    let wanted = [
+        "agentloop_stream_flushes_total",
+        "agentloop_stream_flush_items",
+        "agentloop_commit_duration_seconds",
+        "agentloop_model_call_duration_seconds",
+        "agentloop_claim_duration_seconds",
+        "agentloop_slice_duration_seconds",
+        "agentloop_store_faults_total",
+        "agentloop_lease_lost_total",
+        "agentloop_lease_renew_failures_total",
+        "agentloop_slices_total",
+        "agentloop_model_calls_total",
+    ];
+    let mut lines: Vec<String> = Vec::new();
+    for name in wanted {
+        let mut parts = Vec::new();
+        for l in text.lines().filter(|l| !l.starts_with('#') && l.starts_with(name)) {
+            let (series, value) = l.rsplit_once(' ').unwrap_or((l, ""));
+            let label = series.strip_prefix(name).unwrap_or(series);
+            // Keep the summary's count/sum and the 0.5/0.99/1 quantiles only.
+            if label.contains("quantile") && !["\"0.5\"", "\"0.99\"", "\"1\""].iter().any(|q| label.contains(q)) {
+                continue;
+            }
+            let value: f64 = value.parse().unwrap_or(f64::NAN);
+            let label = label.replace("quantile=", "q").replace('"', "");
+            parts.push(format!("{}={}", if label.is_empty() { "total" } else { label.as_str() }, format_sig(value)));
+        }
+        if !parts.is_empty() {
+            lines.push(format!("{}: {}", name.trim_start_matches("agentloop_"), parts.join(" ")));
+        }
+    }
+    lines
+}
+
+fn format_sig(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e12 { format!("{v:.0}") } else if v.abs() >= 100.0 { format!("{v:.1}") } else { format!("{v:.4}") }
+}
+
+const STREAM_TERMINAL_SQL: &str =
+    "SELECT count(*) FROM runs WHERE id = ANY($1) AND status NOT IN ('completed','failed','cancelled')";
+
+async fn concurrency_phase(env: &mut Env, nofile: u64) -> Result<Concurrency> {
+    let a = env.args.clone();
+    let n = a.streams;
+    let chunks = a.stream_chunks.max(1);
+    let interval_ms = ((a.stream_seconds * 1000.0) / f64::from(chunks)).round().max(0.0) as u64;
+    if (nofile as usize) < n as usize + a.watchers as usize + 200 {
+        log(format!(
+            "WARNING: open-files limit {nofile} < streams + watchers + 200: the worker or the mock may run out of sockets (ulimit -n)"
+        ));
+    }
+    let text = stream_text(chunks);
+    let user_text = format!("MOCK:{}", json!({"steps": [{"text": text, "chunkDelayMs": interval_ms}]}));
+
+    // Runs first (queued, no NOTIFY: the worker claims them at start-up), then the api and the
+    // SSE clients, then the one worker.
+    log(format!("concurrency: enqueueing {n} streaming runs ({chunks} chunks every {interval_ms} ms) with SQL"));
+    let c = connect(&env.db.url).await?;
+    let enqueue_started = Instant::now();
+    let stmt = c.prepare(&format!("{ENQUEUE_SQL} RETURNING id, thread_id")).await?;
+    let mut runs: Vec<(Uuid, Uuid)> = Vec::with_capacity(n as usize);
+    let mut left = n;
+    while left > 0 {
+        let k = left.min(a.batch.max(1));
+        for row in c.query(&stmt, &[&env.principal, &(k as i32), &user_text]).await? {
+            runs.push((row.get(0), row.get(1)));
+        }
+        left -= k;
+    }
+    let enqueue = enqueue_started.elapsed();
+    c.batch_execute("ANALYZE runs, threads, messages").await?;
+    drop(c);
+    let run_ids: Vec<Uuid> = runs.iter().map(|(r, _)| *r).collect();
+
+    let port = free_port();
+    let mut api = env.spawn_api(port)?;
+    let api_url = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    wait_api(&http, &api_url, &mut api).await?;
+
+    let watchers = (a.watchers.min(n)) as usize;
+    log(format!("concurrency: opening {watchers} SSE clients"));
+    let base = Instant::now();
+    let stop_watch = tokio_util::sync::CancellationToken::new();
+    let mut watch_tasks = Vec::with_capacity(watchers);
+    let mut readies = Vec::with_capacity(watchers);
+    for k in 0..watchers {
+        // Spread over the enqueue order (= claim order).
+        let (_, thread) = runs[k * n as usize / watchers];
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        readies.push(rx);
+        watch_tasks.push(tokio::spawn(watch_thread(
+            http.clone(),
+            format!("{api_url}/api/threads/{thread}/updates/stream?afterSequence=0"),
+            env.key.clone(),
+            chunks,
+            base,
+            tx,
+            stop_watch.clone(),
+        )));
+    }
+    let mut watcher_errors = Vec::new();
+    for rx in readies {
+        match rx.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => watcher_errors.push(format!("{e:#}")),
+            Err(_) => watcher_errors.push("watcher task ended before `connected`".into()),
+        }
+    }
+    ensure!(watcher_errors.len() < watchers.max(1), "no SSE client could connect: {}", watcher_errors.join("; "));
+
+    let admin = connect(&admin_url()).await?;
+    tokio::time::sleep(Duration::from_millis(500)).await; // backends above flush their stats
+    let before = xacts(&admin, &env.db.name).await?;
+    let lsn_before: String = admin.query_one("SELECT pg_current_wal_lsn()::text", &[]).await?.get(0);
+
+    log(format!(
+        "concurrency: starting ONE worker, WORKER_CONCURRENCY={n}, DB_POOL_SIZE={}; polling every 200 ms",
+        a.stream_pool
+    ));
+    let metrics_port = free_port();
+    let started = Instant::now();
+    let mut cmd = Command::new(bin("agentloop-worker")?);
+    cmd.arg("run")
+        .env("DATABASE_URL", &env.db.url)
+        .env("MODEL_BASE_URL", format!("{}/v1", env.mock_url))
+        .env("MODEL_NAME", "mock")
+        .env("WORKER_ID", "bench-streams")
+        .env("WORKER_CONCURRENCY", n.to_string())
+        .env("DB_POOL_SIZE", a.stream_pool.to_string())
+        .env("WORKER_METRICS_LISTEN", format!("127.0.0.1:{metrics_port}"))
+        .env("RUST_LOG", "warn");
+    let mut worker = spawn_logged("worker-streams", cmd)?;
+    let worker_pid = worker.pid();
+    let watched = [
+        ("worker", worker_pid),
+        ("api", api.pid()),
+        ("mock-model", env.mock.pid()),
+        ("bench (SSE clients)", std::process::id() as i32),
+    ];
+    let cpu = CpuWindow::begin(&watched, &backend_pids(&admin, &env.db.name).await?);
+    let stop_sampler = tokio_util::sync::CancellationToken::new();
+    let sampler = tokio::spawn(sample(connect(&admin_url()).await?, env.db.name.clone(), worker_pid, stop_sampler.clone()));
+
+    // Until every run is terminal, the worker exits, or the deadline.
+    let poller = connect(&env.db.url).await?;
+    let poll = poller.prepare(STREAM_TERMINAL_SQL).await?;
+    let mut polls = 1u64;
+    let deadline = Duration::from_secs_f64((a.stream_seconds * 10.0).max(60.0));
+    let mut worker_exit = None;
+    let mut reported = Instant::now();
+    let not_terminal = loop {
+        let left: i64 = poller.query_one(&poll, &[&run_ids]).await?.get(0);
+        polls += 1;
+        if left == 0 {
+            break 0;
+        }
+        if let Ok(Some(status)) = worker.child.try_wait() {
+            worker_exit = Some(format!("the worker exited ({status}); see test-output/bench-scheduler/worker-streams.log"));
+            break left;
+        }
+        if started.elapsed() > deadline {
+            log(format!("concurrency: {left} runs still not terminal after {} s; giving up", deadline.as_secs()));
+            break left;
+        }
+        if reported.elapsed() > Duration::from_secs(2) {
+            log(format!("  {} of {n} streaming runs done", i64::from(n) - left));
+            reported = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let wall = started.elapsed();
+    let wal_bytes: f64 = admin
+        .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::float8", &[&lsn_before])
+        .await?
+        .get(0);
+    let cpu = cpu.end(&backend_pids(&admin, &env.db.name).await?);
+    stop_sampler.cancel();
+    let samples = sampler.await.unwrap_or_default();
+    let (rss_end_kib, hwm_kib) = rss_kib(worker_pid);
+    let metrics = scrape_worker_metrics(&http, metrics_port).await;
+
+    // The watchers end by themselves once their run's message and end arrived.
+    let canceller = {
+        let stop_watch = stop_watch.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            stop_watch.cancel();
+        })
+    };
+    let mut watches = Vec::with_capacity(watchers);
+    for task in watch_tasks {
+        match task.await {
+            Ok(w) => watches.push(w),
+            Err(e) => watcher_errors.push(format!("watcher task: {e}")),
+        }
+    }
+    canceller.abort();
+    stop_watch.cancel();
+    drop(poller);
+    stop(std::slice::from_mut(&mut worker)).await;
+    stop(std::slice::from_mut(&mut api)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await; // exited backends flush their stats
+    let after = xacts(&admin, &env.db.name).await?;
+
+    let c = connect(&env.db.url).await?;
+    let row = c
+        .query_one(
+            "SELECT (extract(epoch from max(finished_at) - min(started_at)))::float8,
+                    (extract(epoch from max(started_at) - min(started_at)))::float8,
+                    count(*) FILTER (WHERE status = 'completed'),
+                    count(*) FILTER (WHERE status = 'failed'),
+                    count(*) FILTER (WHERE status = 'cancelled'),
+                    count(*) FILTER (WHERE attempts > 1)
+             FROM runs WHERE id = ANY($1)",
+            &[&run_ids],
+        )
+        .await?;
+    let failures = c
+        .query(
+            "SELECT status || ' ' || coalesce(error_code, '-'), left(coalesce(min(error_message), ''), 200), count(*) FROM runs
+             WHERE id = ANY($1) AND status <> 'completed' GROUP BY 1 ORDER BY 3 DESC LIMIT 10",
+            &[&run_ids],
+        )
+        .await?
+        .iter()
+        .map(|r| format!("{} x {}: {}", r.get::<_, i64>(2), r.get::<_, String>(0), r.get::<_, String>(1)))
+        .collect();
+    let run_ms: Vec<f64> = c
+        .query(
+            "SELECT (extract(epoch from finished_at - started_at) * 1000)::float8 FROM runs
+             WHERE id = ANY($1) AND finished_at IS NOT NULL AND started_at IS NOT NULL",
+            &[&run_ids],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let steps = c
+        .query(
+            "SELECT (extract(epoch from s.started_at - r.started_at) * 1000)::float8,
+                    (extract(epoch from r.finished_at - s.started_at) * 1000)::float8
+             FROM runs r JOIN run_steps s ON s.run_id = r.id AND s.sequence = 1
+             WHERE r.id = ANY($1) AND r.finished_at IS NOT NULL",
+            &[&run_ids],
+        )
+        .await?;
+    let step_ms: Vec<f64> = steps.iter().map(|r| r.get(0)).collect();
+    // Server side of the stream flusher: each flush is one transaction, so its journal rows
+    // share one created_at (= now(), the transaction's start).
+    let flush_ms: Vec<f64> = c
+        .query(
+            "SELECT DISTINCT (extract(epoch from e.created_at - (SELECT min(started_at) FROM runs WHERE id = ANY($1))) * 1000)::float8 AS t
+             FROM thread_events e JOIN runs r ON r.thread_id = e.thread_id
+             WHERE r.id = ANY($1) AND e.kind = 'streaming' ORDER BY t",
+            &[&run_ids],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let first_flush_ms: Vec<f64> = c
+        .query(
+            "SELECT (extract(epoch from min(e.created_at) - s.started_at) * 1000)::float8
+             FROM runs r JOIN run_steps s ON s.run_id = r.id AND s.sequence = 1
+                         JOIN thread_events e ON e.thread_id = r.thread_id AND e.kind = 'streaming'
+             WHERE r.id = ANY($1) GROUP BY r.id, s.started_at",
+            &[&run_ids],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let finish_ms: Vec<f64> = steps.iter().map(|r| r.get(1)).collect();
+    let m = c
+        .query_one(
+            "SELECT count(*) FILTER (WHERE content = to_jsonb($2::text)), count(*) FROM messages
+             WHERE role = 'assistant' AND run_id = ANY($1)",
+            &[&run_ids, &text],
+        )
+        .await?;
+
+    let log_text = std::fs::read_to_string(log_dir()?.join("worker-streams.log")).unwrap_or_default();
+    let warn: Vec<&str> = log_text.lines().filter(|l| l.contains("WARN") || l.contains("ERROR") || l.contains("panicked")).collect();
+    Ok(Concurrency {
+        streams: n,
+        chunks,
+        interval_ms,
+        pool: a.stream_pool,
+        nofile,
+        enqueue,
+        wall,
+        worker_exit,
+        not_terminal,
+        completed: row.get(2),
+        failed: row.get(3),
+        cancelled: row.get(4),
+        failures,
+        reclaimed: row.get(5),
+        window_secs: row.get::<_, Option<f64>>(0).unwrap_or(f64::NAN),
+        claim_spread_secs: row.get::<_, Option<f64>>(1).unwrap_or(f64::NAN),
+        run_ms,
+        messages_ok: m.get(0),
+        messages_total: m.get(1),
+        samples,
+        hwm_kib,
+        rss_end_kib,
+        xacts: (after.0 - before.0, after.1 - before.1),
+        polls,
+        wal_bytes,
+        cpu,
+        watchers: watches,
+        watcher_errors,
+        text,
+        warn_count: warn.len(),
+        metrics,
+        flush_ms,
+        first_flush_ms,
+        step_ms,
+        finish_ms,
+        warn_lines: warn.iter().take(8).map(|l| l.chars().take(300).collect()).collect(),
+    })
+}
+
+/// Per watcher: t0 = min over its chunks of (receive time - i x interval); chunk i's delay =
+/// receive time - (t0 + i x interval). Returns (every chunk's delay, the delay of the newest
+/// chunk of each `streaming` event, chunks never received).
+fn chunk_delays(watches: &[Watch], interval_ms: u64) -> (Vec<f64>, Vec<f64>, usize) {
+    let d = interval_ms as f64;
+    let (mut all, mut newest, mut missing) = (Vec::new(), Vec::new(), 0);
+    for w in watches {
+        let t0 = w
+            .chunk_at
+            .iter()
+            .enumerate()
+            .filter_map(|(i, at)| at.map(|at| at - i as f64 * d))
+            .fold(f64::INFINITY, f64::min);
+        missing += w.chunk_at.iter().filter(|at| at.is_none()).count();
+        if !t0.is_finite() {
+            continue;
+        }
+        all.extend(w.chunk_at.iter().enumerate().filter_map(|(i, at)| at.map(|at| at - t0 - i as f64 * d)));
+        newest.extend(w.newest.iter().map(|(at, i)| at - t0 - f64::from(*i) * d));
+    }
+    (all, newest, missing)
+}
+
+/// Writes every watcher's chunk receive times to `test-output/bench-scheduler/concurrency-chunks.csv`
+/// (`watcher,chunk,received_ms,delay_ms`; received_ms since the SSE clients were opened).
+fn write_chunk_csv(watches: &[Watch], interval_ms: u64) -> Result<PathBuf> {
+    use std::fmt::Write as _;
+    let d = interval_ms as f64;
+    let mut out = String::from("watcher,chunk,received_ms,delay_ms\n");
+    for (k, w) in watches.iter().enumerate() {
+        let t0 = w
+            .chunk_at
+            .iter()
+            .enumerate()
+            .filter_map(|(i, at)| at.map(|at| at - i as f64 * d))
+            .fold(f64::INFINITY, f64::min);
+        for (i, at) in w.chunk_at.iter().enumerate() {
+            if let Some(at) = at {
+                let _ = writeln!(out, "{k},{i},{at:.1},{:.1}", at - t0 - i as f64 * d);
+            }
+        }
+    }
+    let path = log_dir()?.join("concurrency-chunks.csv");
+    std::fs::write(&path, out)?;
+    Ok(path.canonicalize().unwrap_or(path))
+}
+
+fn print_concurrency(c: &Concurrency, stream_seconds: f64) {
+    let target_window = stream_seconds + TARGET_STREAM_SLACK_SECS;
+    println!(
+        "5. concurrency: {} streaming runs on ONE worker (WORKER_CONCURRENCY={}, DB_POOL_SIZE={}), answers of {} chunks x {} words every {} ms (~{:.1} s; the mock also waits one interval before each of its 3 closing frames), {} SSE clients",
+        c.streams,
+        c.streams,
+        c.pool,
+        c.chunks,
+        MOCK_WORDS_PER_CHUNK,
+        c.interval_ms,
+        c.chunks as f64 * c.interval_ms as f64 / 1000.0,
+        c.watchers.len()
+    );
+    println!(
+        "   enqueued with SQL in {:.2} s before the worker started; open-files limit {} (the worker and the mock inherit it)",
+        c.enqueue.as_secs_f64(),
+        c.nofile
+    );
+    if let Some(e) = &c.worker_exit {
+        println!("   FAIL: {e}");
+    }
+    let ok = c.failed == 0 && c.cancelled == 0 && c.not_terminal == 0 && c.completed == i64::from(c.streams);
+    println!(
+        "   outcome: {} completed, {} failed, {} cancelled, {} not terminal after {:.1} s [target 0 failed, all completed: {}]",
+        c.completed,
+        c.failed,
+        c.cancelled,
+        c.not_terminal,
+        c.wall.as_secs_f64(),
+        mark(ok)
+    );
+    for f in &c.failures {
+        println!("   not completed: {f}");
+    }
+    if c.reclaimed > 0 {
+        println!("   runs claimed more than once (handed back or recovered): {}", c.reclaimed);
+    }
+    println!(
+        "   first claim -> last finish (database clock): {:.2} s [target <= {target_window:.1} s: {}]; first -> last claim {:.2} s; per run started_at -> finished_at: {}",
+        c.window_secs,
+        mark(c.window_secs <= target_window && c.not_terminal == 0),
+        c.claim_spread_secs,
+        dist(c.run_ms.clone())
+    );
+    println!("   per run claim -> slice started (run_steps.started_at): {}", dist(c.step_ms.clone()));
+    println!("   per run slice started -> finished: {}", dist(c.finish_ms.clone()));
+    let flush_gaps: Vec<f64> = c.flush_ms.windows(2).map(|p| p[1] - p[0]).collect();
+    println!(
+        "   stream flushes (server side: distinct created_at of the streaming journal rows = one flush transaction each): {}, first at +{:.0} ms and last at +{:.0} ms after the first claim; interval between flushes {}",
+        c.flush_ms.len(),
+        c.flush_ms.first().copied().unwrap_or(f64::NAN),
+        c.flush_ms.last().copied().unwrap_or(f64::NAN),
+        dist(flush_gaps)
+    );
+    println!("   per run slice started -> its first streaming event committed: {}", dist(c.first_flush_ms.clone()));
+    println!(
+        "   answers: {} of {} runs' assistant messages equal the full text ({} assistant messages) [{}]",
+        c.messages_ok,
+        c.streams,
+        c.messages_total,
+        mark(c.messages_ok == i64::from(c.streams) && c.messages_total == i64::from(c.streams))
+    );
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    println!(
+        "   worker RSS: peak {:.1} MiB over {} samples every 100 ms, VmHWM {:.1} MiB, {:.1} MiB at the end [target <= {TARGET_WORKER_RSS_MIB:.0} MiB: {}]",
+        mib(c.samples.peak_rss_kib),
+        c.samples.samples,
+        mib(c.hwm_kib),
+        mib(c.rss_end_kib),
+        mark(mib(c.samples.peak_rss_kib.max(c.hwm_kib)) <= TARGET_WORKER_RSS_MIB)
+    );
+    let bound = i64::from(c.pool) + WORKER_EXTRA_CONNECTIONS;
+    println!(
+        "   worker connections (pg_stat_activity, application_name agentloop-worker*): max {} (states then: {}) [target <= DB_POOL_SIZE + {WORKER_EXTRA_CONNECTIONS} = {bound}: {}]; api: max {}",
+        c.samples.max_worker_connections,
+        if c.samples.busiest.is_empty() { "-" } else { &c.samples.busiest },
+        mark(c.samples.max_worker_connections <= bound),
+        c.samples.max_api_connections
+    );
+    let secs = c.wall.as_secs_f64().max(1e-9);
+    let xacts = c.xacts.0 + c.xacts.1 - c.polls as i64;
+    println!(
+        "   PostgreSQL: {:.0} transactions/s ({} commits + {} rollbacks of the benchmark database minus the benchmark's {} polls, over {:.2} s from worker spawn to the last run terminal = {:.1} per run; includes the api's journal reads for the SSE clients and the worker's start-up and shutdown)",
+        xacts as f64 / secs,
+        c.xacts.0,
+        c.xacts.1,
+        c.polls,
+        secs,
+        xacts as f64 / f64::from(c.streams.max(1))
+    );
+    println!(
+        "   WAL: {:.0} bytes/s = {:.2} MiB/s ({:.1} MiB, {:.1} KiB per run; pg_current_wal_lsn() delta, server-wide, over the same {:.2} s)",
+        c.wal_bytes / secs,
+        c.wal_bytes / secs / 1_048_576.0,
+        c.wal_bytes / 1_048_576.0,
+        c.wal_bytes / 1024.0 / f64::from(c.streams.max(1)),
+        secs
+    );
+    let (all, newest, missing) = chunk_delays(&c.watchers, c.interval_ms);
+    let p99 = {
+        let mut v = all.clone();
+        v.sort_by(|a, b| a.total_cmp(b));
+        percentile(&v, 99.0)
+    };
+    let sum = |f: fn(&Watch) -> u64| c.watchers.iter().map(f).sum::<u64>();
+    let gaps = sum(|w| w.gaps);
+    println!(
+        "   SSE clients: {} connected, {} streaming events applied; offset gaps {}, overlaps {}, restarts {}, resets {} [target 0 gaps: {}]",
+        c.watchers.len(),
+        sum(|w| w.deltas),
+        gaps,
+        sum(|w| w.overlaps),
+        sum(|w| w.restarts),
+        sum(|w| w.resets),
+        mark(gaps == 0 && !c.watchers.is_empty())
+    );
+    println!(
+        "   chunks: {} of {} reached the clients as streaming deltas, {} only with the final `message` event (not flushed before the slice unregistered its stream), {} never [{}]",
+        c.watchers.len() * c.chunks as usize - missing - sum(|w| w.via_message) as usize,
+        c.watchers.len() * c.chunks as usize,
+        sum(|w| w.via_message),
+        missing,
+        mark(missing == 0)
+    );
+    let mut between: Vec<f64> = Vec::new();
+    for w in &c.watchers {
+        between.extend(w.newest.windows(2).map(|p| p[1].0 - p[0].0));
+    }
+    println!("   time between two streaming events to one client (flush period as seen by SSE): {}", dist(between));
+    println!(
+        "   chunk delay, every chunk: {} [target p99 <= {TARGET_CHUNK_P99_MS:.0} ms: {}]",
+        dist(all),
+        mark(p99 <= TARGET_CHUNK_P99_MS)
+    );
+    let newest_p99 = {
+        let mut v = newest.clone();
+        v.sort_by(|a, b| a.total_cmp(b));
+        percentile(&v, 99.0)
+    };
+    println!(
+        "   chunk delay, newest chunk of each streaming event: {} [target p99 <= {TARGET_CHUNK_P99_MS:.0} ms: {}]",
+        dist(newest),
+        mark(newest_p99 <= TARGET_CHUNK_P99_MS)
+    );
+    match write_chunk_csv(&c.watchers, c.interval_ms) {
+        Ok(path) => println!("   per-chunk receive times and delays: {}", path.display()),
+        Err(e) => println!("   per-chunk receive times not written: {e:#}"),
+    }
+    println!(
+        "   (delay of chunk i = receive time - (t0 + i x {} ms), t0 = min over the stream's chunks of (receive time - i x {} ms): lag relative to the stream's own best-delivered chunk, so it includes the flusher's throttle, the journal read and SSE, but not the wait for the first claim or the first flush)",
+        c.interval_ms, c.interval_ms
+    );
+    let partial_ok = c.watchers.iter().filter(|w| w.partial == c.text).count();
+    let message_ok = c.watchers.iter().filter(|w| w.message.as_deref() == Some(c.text.as_str())).count();
+    println!(
+        "   SSE clients: the rebuilt partial equals the full text for {partial_ok} of {}; the `message` event does for {message_ok}; run ended `completed` for {} [{}]",
+        c.watchers.len(),
+        c.watchers.iter().filter(|w| w.status.as_deref() == Some("completed")).count(),
+        mark(message_ok == c.watchers.len())
+    );
+    for w in c.watchers.iter().filter(|w| w.error.is_some()).take(5) {
+        println!("   SSE client error: {}", w.error.as_deref().unwrap_or_default());
+    }
+    for e in c.watcher_errors.iter().take(5) {
+        println!("   SSE client error: {e}");
+    }
+    println!("   CPU: {}", c.cpu);
+    for l in &c.metrics {
+        println!("   worker metric {l}");
+    }
+    if c.warn_count > 0 {
+        println!("   worker log: {} WARN/ERROR lines (test-output/bench-scheduler/worker-streams.log), first:", c.warn_count);
+        for l in &c.warn_lines {
+            println!("     {l}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+async fn bench(args: Args, nofile: u64) -> Result<()> {
     install_crypto();
     if cfg!(debug_assertions) {
         log("WARNING: a debug build; run with `cargo run --release` for meaningful figures");
@@ -1063,7 +1992,8 @@ async fn bench(args: Args) -> Result<()> {
 
     // pgbench's scratch database, initialised up front; runs just before and after phase 1.
     let pgbench = pgbench_path()?;
-    let pgdb = if args.pgbench_seconds > 0 {
+    let run_throughput = args.runs_phase(Phase::Throughput) && args.runs > 0;
+    let pgdb = if run_throughput && args.pgbench_seconds > 0 {
         let pgdb = Database::create("bench_pgbench").await?;
         log(format!("pgbench -i -s {} ({})", args.pgbench_scale, pgbench.display()));
         pgbench_init(&pgbench, &pgdb.url, args.pgbench_scale).await?;
@@ -1076,21 +2006,27 @@ async fn bench(args: Args) -> Result<()> {
         log(format!("pgbench -N -c {clients} -T {} (before)", args.pgbench_seconds));
         tps.push(pgbench_tps(&pgbench, &pgdb.url, clients, args.pgbench_seconds).await?);
     }
-    let throughput = throughput_phase(&mut env).await?;
+    let throughput = if run_throughput { Some(throughput_phase(&mut env).await?) } else { None };
     if let Some(pgdb) = &pgdb {
         log(format!("pgbench -N -c {clients} -T {} (after)", args.pgbench_seconds));
         tps.push(pgbench_tps(&pgbench, &pgdb.url, clients, args.pgbench_seconds).await?);
     }
     drop(pgdb);
-    let latency = if args.latency_runs > 0 { Some(latency_phase(&mut env).await?) } else { None };
-    let statements = if args.statement_runs > 0 { statement_phase(&mut env).await? } else { None };
+    let latency =
+        if args.runs_phase(Phase::Latency) && args.latency_runs > 0 { Some(latency_phase(&mut env).await?) } else { None };
+    let statements = if args.runs_phase(Phase::Statements) && args.statement_runs > 0 {
+        statement_phase(&mut env).await?
+    } else {
+        None
+    };
+    let concurrency = if args.runs_phase(Phase::Concurrency) && args.streams > 0 {
+        Some(concurrency_phase(&mut env, nofile).await?)
+    } else {
+        None
+    };
     let load_end = loadavg();
 
     // ------------------------------------------------------------------ report
-    let t = &throughput;
-    let rps = f64::from(t.runs) / t.wall.as_secs_f64();
-    let worker_xacts = t.xact_commit - t.polls as i64;
-    let xacts_per_run = worker_xacts as f64 / f64::from(t.runs);
     println!();
     println!("agentloop scheduler benchmark (one run, one PostgreSQL)");
     println!("  server: PostgreSQL {version}; {}", settings.join(", "));
@@ -1100,30 +2036,39 @@ async fn bench(args: Args) -> Result<()> {
     );
     println!("  binaries: {}", bin_dir().display());
     println!();
-    println!(
-        "1. claim + complete: {} runs, zero-latency mock model, {} worker processes x {} slots = {clients} slots",
-        t.runs, env.args.workers, env.args.concurrency
-    );
-    println!("   enqueued with SQL in {:.1} s before the workers started", t.enqueue.as_secs_f64());
-    println!(
-        "   worker spawn -> all runs terminal (200 ms polls): {:.2} s = {rps:.0} runs/s",
-        t.wall.as_secs_f64()
-    );
-    println!(
-        "   first claim -> last finish (database clock): {:.2} s = {:.0} runs/s",
-        t.db_secs,
-        f64::from(t.runs) / t.db_secs
-    );
-    println!("   outcome: {}; assistant messages: {}", t.outcome, t.assistant_messages);
-    for f in &t.failures {
-        println!("   not completed: {f}");
+    let (mut rps, mut worker_xacts_per_sec) = (f64::NAN, f64::NAN);
+    match &throughput {
+        None => println!("1. claim + complete: skipped"),
+        Some(t) => {
+            rps = f64::from(t.runs) / t.wall.as_secs_f64();
+            worker_xacts_per_sec = (t.xact_commit - t.polls as i64) as f64 / t.wall.as_secs_f64();
+            println!(
+                "1. claim + complete: {} runs, zero-latency mock model, {} worker processes x {} slots = {clients} slots",
+                t.runs, env.args.workers, env.args.concurrency
+            );
+            println!("   enqueued with SQL in {:.1} s before the workers started", t.enqueue.as_secs_f64());
+            println!(
+                "   worker spawn -> all runs terminal (200 ms polls): {:.2} s = {rps:.0} runs/s",
+                t.wall.as_secs_f64()
+            );
+            println!(
+                "   first claim -> last finish (database clock): {:.2} s = {:.0} runs/s",
+                t.db_secs,
+                f64::from(t.runs) / t.db_secs
+            );
+            println!("   outcome: {}; assistant messages: {}", t.outcome, t.assistant_messages);
+            for f in &t.failures {
+                println!("   not completed: {f}");
+            }
+            println!("   CPU: {}", t.cpu);
+        }
     }
-    println!("   CPU: {}", t.cpu);
     println!();
     if tps.is_empty() {
-        println!("2. pgbench: skipped (--pgbench-seconds 0)");
+        println!("2. pgbench: skipped (--pgbench-seconds 0, or no throughput phase)");
     } else {
         let mean = tps.iter().sum::<f64>() / tps.len() as f64;
+        let ratio = rps / mean;
         println!(
             "2. pgbench -N -c {clients} -j {} -T {} (scale {}), same server: {} TPS (before / after phase 1), mean {mean:.0}",
             (cpus() as u32).clamp(1, clients.max(1)),
@@ -1131,16 +2076,18 @@ async fn bench(args: Args) -> Result<()> {
             env.args.pgbench_scale,
             tps.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / ")
         );
-        println!("   ratio: claim+complete runs/s / pgbench TPS = {rps:.0} / {mean:.0} = {:.3}", rps / mean);
         println!(
-            "   (the workers committed {:.0} transactions/s during phase 1 = {:.2} x pgbench TPS)",
-            worker_xacts as f64 / t.wall.as_secs_f64(),
-            worker_xacts as f64 / t.wall.as_secs_f64() / mean
+            "   runs/s vs pgbench: claim+complete runs/s / pgbench TPS = {rps:.0} / {mean:.0} = {ratio:.3} [target >= {TARGET_PGBENCH_RATIO}: {}]",
+            mark(ratio >= TARGET_PGBENCH_RATIO)
+        );
+        println!(
+            "   (the workers committed {worker_xacts_per_sec:.0} transactions/s during phase 1 = {:.2} x pgbench TPS)",
+            worker_xacts_per_sec / mean
         );
     }
     println!();
     match &latency {
-        None => println!("3. latency: skipped (--latency-runs 0)"),
+        None => println!("3. latency: skipped"),
         Some(l) => {
             println!("3. enqueue -> slice start, {} single runs posted one at a time via HTTP, idle workers", l.runs);
             println!("   runs.started_at - runs.created_at (claimed):         {}", dist(l.claim_ms.clone()));
@@ -1154,35 +2101,51 @@ async fn bench(args: Args) -> Result<()> {
         }
     }
     println!();
-    println!("4. SQL per run (one slice, final answer, no tool call)");
     println!(
-        "   server-counted commits: {xacts_per_run:.2} per run = pg_stat_database.xact_commit delta of the benchmark database over phase 1 ({}) minus the benchmark's {} polls, / {} runs (rollbacks: {}); PostgreSQL also counts each statement preparation (Parse..Sync) outside a transaction block as a commit; includes worker start-up and autovacuum",
-        t.xact_commit, t.polls, t.runs, t.xact_rollback
+        "4. SQL per run (one slice, final answer, no tool call) [target <= {TARGET_XACTS_PER_RUN} transactions / <= {TARGET_ROUND_TRIPS_PER_RUN} round trips per run]"
     );
-    match &t.pgss {
-        Some((calls, list)) => {
+    match &throughput {
+        None => println!("   server-counted commits: not measured (no throughput phase)"),
+        Some(t) => {
+            let xacts_per_run = (t.xact_commit - t.polls as i64) as f64 / f64::from(t.runs);
             println!(
-                "   statements (pg_stat_statements, phase 1): {:.2} per run ({calls} calls)",
-                *calls as f64 / f64::from(t.runs)
+                "   server-counted commits: {xacts_per_run:.2} per run [target <= {TARGET_XACTS_PER_RUN}: {}] = pg_stat_database.xact_commit delta of the benchmark database over phase 1 ({}) minus the benchmark's {} polls, / {} runs (rollbacks: {}); PostgreSQL also counts each statement preparation (Parse..Sync) outside a transaction block as a commit; includes worker start-up and autovacuum",
+                mark(xacts_per_run <= TARGET_XACTS_PER_RUN),
+                t.xact_commit,
+                t.polls,
+                t.runs,
+                t.xact_rollback
             );
-            for (q, c) in list.iter().take(25) {
-                println!("     {:>7.3}  {q}", *c as f64 / f64::from(t.runs));
+            match &t.pgss {
+                Some((calls, list)) => {
+                    println!(
+                        "   statements (pg_stat_statements, phase 1): {:.2} per run ({calls} calls)",
+                        *calls as f64 / f64::from(t.runs)
+                    );
+                    for (q, c) in list.iter().take(25) {
+                        println!("     {:>7.3}  {q}", *c as f64 / f64::from(t.runs));
+                    }
+                }
+                None => println!(
+                    "   pg_stat_statements: not available (needs shared_preload_libraries); counted on the wire instead"
+                ),
             }
         }
-        None => println!("   pg_stat_statements: not available (needs shared_preload_libraries); counted on the wire instead"),
     }
     match &statements {
         None => println!("   statements: not counted"),
         Some(s) => {
             let per = |v: u64| v as f64 / f64::from(s.runs);
             println!(
-                "   transactions: {:.2} per run (BEGIN..COMMIT blocks + statements outside them)",
-                per(s.wire.transactions)
+                "   transactions: {:.2} per run (BEGIN..COMMIT blocks + statements outside them) [target <= {TARGET_XACTS_PER_RUN}: {}]",
+                per(s.wire.transactions),
+                mark(per(s.wire.transactions) <= TARGET_XACTS_PER_RUN)
             );
             println!(
-                "   statements: {:.2} per run (incl. BEGIN/COMMIT); round trips {:.2} per run; statement preparations (Parse) {:.2} per run",
+                "   statements: {:.2} per run (incl. BEGIN/COMMIT); round trips {:.2} per run [target <= {TARGET_ROUND_TRIPS_PER_RUN}: {}]; statement preparations (Parse) {:.2} per run",
                 per(s.wire.executed()),
                 per(s.wire.round_trips),
+                mark(per(s.wire.round_trips) <= TARGET_ROUND_TRIPS_PER_RUN),
                 per(s.wire.parses)
             );
             println!(
@@ -1200,6 +2163,11 @@ async fn bench(args: Args) -> Result<()> {
                 println!("   {:>7.3}  {q}", per(*c));
             }
         }
+    }
+    println!();
+    match &concurrency {
+        None => println!("5. concurrency: skipped"),
+        Some(c) => print_concurrency(c, env.args.stream_seconds),
     }
     Ok(())
 }

@@ -10,12 +10,18 @@
 //! - `echo {text}` -> `echo: <text>` (read-only: idempotent for agentloop);
 //! - `add {a, b}` -> the sum (read-only);
 //! - `ticket {title}` -> `ticket #N created: <title>` (not idempotent: goes through the
-//!   operations ledger); every call is recorded with its `_meta.idempotencyKey`.
+//!   operations ledger); every call is recorded with its `_meta.idempotencyKey`;
+//! - `slow {ms}` -> `slept <ms> ms` after sleeping `ms` milliseconds (a call that outlives the
+//!   client's call timeout; not idempotent);
+//! - `reject {reason, result?}` -> a JSON-RPC error answer (`-32602`, the reason as message), or
+//!   with `result: true` a tool result with `isError: true`;
+//! - `big {bytes}` -> a text result of `bytes` `x` characters (read-only).
 //!
 //! HTTP endpoints (with `--listen`): `POST /mcp` (and GET/DELETE: the MCP streamable HTTP
 //! transport); `GET /calls`: `[{tool, arguments, idempotencyKey}]` of every `tools/call`
 //! received; `POST /http-tool`: an HTTP tool receiver answering `ok: <body>` and recording
-//! the `Idempotency-Key` header (listed by `/calls` with `tool: "http-tool"`).
+//! the `Idempotency-Key` header (listed by `/calls` with `tool: "http-tool"`); any request to
+//! `/moved...`: `307 Temporary Redirect` to `/mcp` (same origin).
 
 use std::sync::{Arc, Mutex};
 
@@ -79,6 +85,22 @@ fn tools() -> Vec<Tool> {
             "Create a ticket (an external effect).",
             schema(json!({"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]})),
         ),
+        Tool::new(
+            "slow",
+            "Sleep, then answer (an external effect that takes a while).",
+            schema(json!({"type": "object", "properties": {"ms": {"type": "integer"}}, "required": ["ms"]})),
+        ),
+        Tool::new(
+            "reject",
+            "Answer with a JSON-RPC error.",
+            schema(json!({"type": "object", "properties": {"reason": {"type": "string"}, "result": {"type": "boolean"}}})),
+        ),
+        Tool::new(
+            "big",
+            "Answer with `bytes` characters.",
+            schema(json!({"type": "object", "properties": {"bytes": {"type": "integer"}}, "required": ["bytes"]})),
+        )
+        .with_annotations(ToolAnnotations::new().read_only(true)),
     ]
 }
 
@@ -113,14 +135,26 @@ impl ServerHandler for TestServer {
             calls.iter().filter(|c| c["tool"] == "ticket").count()
         };
         let text = |t: String| Ok(CallToolResponse::Complete(CallToolResult::success(vec![ContentBlock::text(t)])));
-        std::future::ready(match request.name.as_ref() {
-            "echo" => text(format!("echo: {}", args["text"].as_str().unwrap_or_default())),
-            "add" => text(format!("{}", args["a"].as_f64().unwrap_or(0.0) + args["b"].as_f64().unwrap_or(0.0))),
-            "ticket" => text(format!("ticket #{count} created: {}", args["title"].as_str().unwrap_or_default())),
-            other => Ok(CallToolResponse::Complete(CallToolResult::error(vec![ContentBlock::text(format!(
-                "no tool {other}"
-            ))]))),
-        })
+        let name = request.name.to_string();
+        async move {
+            match name.as_str() {
+                "echo" => text(format!("echo: {}", args["text"].as_str().unwrap_or_default())),
+                "add" => text(format!("{}", args["a"].as_f64().unwrap_or(0.0) + args["b"].as_f64().unwrap_or(0.0))),
+                "ticket" => text(format!("ticket #{count} created: {}", args["title"].as_str().unwrap_or_default())),
+                "slow" => {
+                    let ms = args["ms"].as_u64().unwrap_or(0);
+                    tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                    text(format!("slept {ms} ms"))
+                }
+                "reject" if args["result"] == true => Ok(CallToolResponse::Complete(CallToolResult::error(vec![ContentBlock::text(format!(
+                    "refused: {}",
+                    args["reason"].as_str().unwrap_or_default()
+                ))]))),
+                "reject" => Err(ErrorData::invalid_params(format!("rejected: {}", args["reason"].as_str().unwrap_or_default()), None)),
+                "big" => text("x".repeat(args["bytes"].as_u64().unwrap_or(0) as usize)),
+                other => Ok(CallToolResponse::Complete(CallToolResult::error(vec![ContentBlock::text(format!("no tool {other}"))]))),
+            }
+        }
     }
 }
 
@@ -159,6 +193,11 @@ async fn main() -> anyhow::Result<()> {
                 let (mcp, calls) = (mcp.clone(), calls.clone());
                 async move {
                     let response = match request.uri().path() {
+                        path if path.starts_with("/moved") => Response::builder()
+                            .status(307)
+                            .header("location", "/mcp")
+                            .body(body(String::new()))
+                            .expect("response"),
                         "/calls" => {
                             let list = calls.lock().expect("calls lock").clone();
                             Response::builder()

@@ -6,7 +6,9 @@
 //! - the *user text* is the text of the last `user` message (a string, or the `text` parts of
 //!   an array of parts joined with no separator); `after` is every message that follows it;
 //! - with a `MOCK:` directive in the user text, the step index is the number of `assistant`
-//!   messages in `after` (see [`Step`]);
+//!   messages in `after` (see [`Step`]), except that a step with `retryIfResultContains` is
+//!   played again (like a model retrying a failed tool call) when one of its results contains
+//!   that text, at most [`MAX_STEP_RETRIES`] times in a row;
 //! - without one, a tiny calculator agent answers (see [`default_reply`]).
 
 use std::collections::HashMap;
@@ -144,7 +146,14 @@ struct Step {
     malformed: Option<Malformed>,
     /// Token counts overriding the computed usage.
     usage: Option<UsageOverride>,
+    /// When a result of this step's tool calls contains this text, the next request plays this
+    /// step again (its calls get fresh ids unless `id` is given), like a model retrying a failed
+    /// call; at most [`MAX_STEP_RETRIES`] times in a row.
+    retry_if_result_contains: Option<String>,
 }
+
+/// Replays of one `retryIfResultContains` step before the script moves on regardless.
+pub const MAX_STEP_RETRIES: usize = 2;
 
 /// A scripted tool call: `arguments` is any JSON value (sent as its JSON text) and
 /// `argumentsRaw` is the exact text to send; with neither the arguments are `{}`.
@@ -248,6 +257,9 @@ pub fn plan(request: &Value, failures: &FailureCounts) -> Result<Reply, BadReque
     if let Some(reply) = summary_reply(messages) {
         return Ok(reply);
     }
+    if let Some(reply) = title_reply(messages) {
+        return Ok(reply);
+    }
     let conversation = Conversation::new(messages);
     // The directive comes from the last user message, or else from a system message (where a
     // compaction summary carries it forward).
@@ -265,6 +277,29 @@ pub fn plan(request: &Value, failures: &FailureCounts) -> Result<Reply, BadReque
         }
         None => Ok(default_reply(&conversation, request)),
     }
+}
+
+/// Opening words of agentloop's title prompt (`agentloop_worker::title::TITLE_PROMPT`).
+const TITLE_PROMPT_START: &str = "You write conversation titles";
+
+/// A title request (first message is agentloop's title prompt) gets `Chat: <first 4 words of the
+/// user's first message>` (directives removed) — never a scripted step, so a script's steps and
+/// failure counters are untouched. A first message containing `MOCK_TITLE_FAIL` gets an HTTP 500
+/// instead (the worker then falls back to the first words).
+fn title_reply(messages: &[Value]) -> Option<Reply> {
+    let first = messages.first()?;
+    if role(first) != "system" || !content_text(first).starts_with(TITLE_PROMPT_START) {
+        return None;
+    }
+    let text = messages.get(1).map(content_text).unwrap_or_default();
+    if text.contains("MOCK_TITLE_FAIL") {
+        return Some(Reply { failure: Some(Failure { status: 500, retry_after_secs: None }), ..Reply::default() });
+    }
+    let question = text.strip_prefix("User: ").unwrap_or(&text);
+    let question = question.split("\n\nAssistant:").next().unwrap_or_default();
+    let question = question.split(DIRECTIVE_MARKER).next().unwrap_or_default();
+    let words: Vec<&str> = question.split_whitespace().take(4).collect();
+    Some(Reply { text: format!("Chat: {}", words.join(" ")), ..Reply::default() })
 }
 
 /// Opening words of agentloop's summarisation system prompt (`compaction::SUMMARY_PROMPT`).
@@ -334,7 +369,7 @@ fn scripted_reply(
     directive: Directive,
     failures: &FailureCounts,
 ) -> Reply {
-    let index = conversation.step_index();
+    let index = scripted_index(conversation, &directive.steps);
     let step = directive
         .steps
         .into_iter()
@@ -386,6 +421,41 @@ fn scripted_reply(
         malformed: step.malformed,
         usage: step.usage.unwrap_or_default(),
     }
+}
+
+/// The step to play: one per `assistant` message after the user message, except that a step
+/// with `retryIfResultContains` whose results (the `tool` messages after its assistant message)
+/// contain that text is played again, at most [`MAX_STEP_RETRIES`] times in a row. Without such
+/// steps this is [`Conversation::step_index`].
+fn scripted_index(conversation: &Conversation<'_>, steps: &[Step]) -> usize {
+    let after = conversation.after;
+    let (mut index, mut repeats, mut i) = (0usize, 0usize, 0usize);
+    while i < after.len() {
+        if role(&after[i]) != "assistant" {
+            i += 1;
+            continue;
+        }
+        let mut j = i + 1;
+        let mut results = Vec::new();
+        while j < after.len() && role(&after[j]) != "assistant" {
+            if role(&after[j]) == "tool" {
+                results.push(content_text(&after[j]));
+            }
+            j += 1;
+        }
+        let retry = steps
+            .get(index)
+            .and_then(|s| s.retry_if_result_contains.as_deref())
+            .is_some_and(|pattern| repeats < MAX_STEP_RETRIES && results.iter().any(|r| r.contains(pattern)));
+        if retry {
+            repeats += 1;
+        } else {
+            index += 1;
+            repeats = 0;
+        }
+        i = j;
+    }
+    index
 }
 
 /// The default "agent", for requests without a directive:
@@ -496,6 +566,25 @@ mod tests {
         assert_eq!(conversation.user_text, "ab");
         assert_eq!(conversation.step_index(), 1);
         assert_eq!(conversation.last_tool_result(), "84");
+    }
+
+    #[test]
+    fn a_step_with_retry_if_result_contains_is_replayed_on_a_matching_result() {
+        let directive = parse_directive(
+            r#"{"steps":[{"toolCalls":[{"name":"x"}],"retryIfResultContains":"failed"},{"text":"end"}]}"#,
+        )
+        .unwrap();
+        let call = json!({"role": "assistant", "content": null});
+        let user = json!({"role": "user", "content": "go"});
+        let bad = json!({"role": "tool", "content": "x: request failed"});
+        let good = json!({"role": "tool", "content": "ok"});
+        let index = |messages: &[Value]| scripted_index(&Conversation::new(messages), &directive.steps);
+        assert_eq!(index(std::slice::from_ref(&user)), 0);
+        assert_eq!(index(&[user.clone(), call.clone(), good.clone()]), 1);
+        assert_eq!(index(&[user.clone(), call.clone(), bad.clone()]), 0, "replayed");
+        assert_eq!(index(&[user.clone(), call.clone(), bad.clone(), call.clone(), good.clone()]), 1);
+        let three = [user, call.clone(), bad.clone(), call.clone(), bad.clone(), call, bad];
+        assert_eq!(index(&three), 1, "at most MAX_STEP_RETRIES replays");
     }
 
     #[test]
