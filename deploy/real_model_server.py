@@ -30,6 +30,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="generation threads (default: 1)")
     ap.add_argument("--parallel", type=int, default=1, help="concurrent sequences (default: 1)")
     ap.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for /health")
+    ap.add_argument(
+        "--chat-template-file",
+        default=None,
+        help="a Jinja chat template to use instead of the model's own (e.g. one with tool support)",
+    )
     return ap.parse_args()
 
 
@@ -45,6 +50,19 @@ def wait_healthy(url: str, timeout: float) -> None:
             last = exc
         time.sleep(0.1)
     raise SystemExit(f"real_model_server: {url}/health not ready after {timeout:.0f}s: {last}")
+
+
+def supports_tools(url: str) -> bool:
+    """Whether llama.cpp reports tool support for the loaded chat template (GET /props,
+    `chat_template_caps.supports_tools`): what agentloop's /api/models then says."""
+    import json  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(url + "/props", timeout=5) as resp:
+            caps = json.load(resp).get("chat_template_caps") or {}
+            return bool(caps.get("supports_tools"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def main() -> None:
@@ -69,6 +87,9 @@ def main() -> None:
     params.n_ctx = args.ctx
     params.n_parallel = args.parallel
     params.use_jinja = True
+    if args.chat_template_file:
+        with open(args.chat_template_file, encoding="utf-8") as f:
+            params.chat_template = f.read()
     params.ui = False
     params.model_alias = {args.alias}  # a set of names (a plain str would become its letters)
     params.cpuparams.n_threads = args.threads
@@ -86,6 +107,7 @@ def main() -> None:
         file=sys.stderr,
         flush=True,
     )
+    print(f"REAL_MODEL_TOOLS={'true' if supports_tools(url) else 'false'}", flush=True)
     print(f"REAL_MODEL_URL={url}", flush=True)
 
     while stop["signal"] is None:
