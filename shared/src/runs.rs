@@ -15,12 +15,14 @@ pub mod status {
     pub const QUEUED: &str = "queued";
     pub const RUNNING: &str = "running";
     pub const WAITING_APPROVAL: &str = "waiting_approval";
+    /// A tool call waits for the user's sign-in at an MCP server ([`crate::mcp_auth`]).
+    pub const WAITING_AUTHORIZATION: &str = "waiting_authorization";
     pub const BLOCKED: &str = "blocked";
     pub const COMPLETED: &str = "completed";
     pub const FAILED: &str = "failed";
     pub const CANCELLED: &str = "cancelled";
     /// Statuses covered by the one-active-run-per-thread unique index.
-    pub const ACTIVE: [&str; 4] = [QUEUED, RUNNING, WAITING_APPROVAL, BLOCKED];
+    pub const ACTIVE: [&str; 5] = [QUEUED, RUNNING, WAITING_APPROVAL, WAITING_AUTHORIZATION, BLOCKED];
     /// Terminal statuses.
     pub const TERMINAL: [&str; 3] = [COMPLETED, FAILED, CANCELLED];
 }
@@ -164,7 +166,8 @@ pub async fn get(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResult<Run> {
     runs::table.find(id).select(Run::as_select()).first(conn).await
 }
 
-/// The thread's active run (queued, running, waiting_approval or blocked), if any.
+/// The thread's active run (queued, running, waiting_approval, waiting_authorization or
+/// blocked), if any.
 pub async fn active_for_thread(conn: &mut AsyncPgConnection, thread_id: Uuid) -> QueryResult<Option<Run>> {
     runs::table
         .filter(runs::thread_id.eq(thread_id))

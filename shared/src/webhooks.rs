@@ -27,8 +27,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
-use ring::rand::SecureRandom;
-use ring::{aead, hmac};
+use ring::hmac;
 use uuid::Uuid;
 
 /// NOTIFY channel of new deliveries (the outbox trigger; empty payload).
@@ -68,24 +67,7 @@ impl WebhookArgs {
     }
 }
 
-/// The AES-256-GCM key that protects stored signing secrets.
-pub struct SecretsKey(aead::LessSafeKey);
-
-impl std::fmt::Debug for SecretsKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("SecretsKey(..)")
-    }
-}
-
-impl SecretsKey {
-    /// Parses base64 of exactly 32 bytes.
-    pub fn parse(text: &str) -> anyhow::Result<Self> {
-        let bytes = B64.decode(text.trim()).map_err(|_| anyhow::anyhow!("WEBHOOK_SECRETS_KEY is not base64"))?;
-        anyhow::ensure!(bytes.len() == 32, "WEBHOOK_SECRETS_KEY must be 32 bytes (base64 of 32 random bytes), not {}", bytes.len());
-        let key = aead::UnboundKey::new(&aead::AES_256_GCM, &bytes).map_err(|_| anyhow::anyhow!("invalid WEBHOOK_SECRETS_KEY"))?;
-        Ok(Self(aead::LessSafeKey::new(key)))
-    }
-}
+pub use crate::secrets::SecretsKey;
 
 /// Why a stored secret cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -98,11 +80,7 @@ pub enum SecretError {
     Malformed,
 }
 
-fn random_bytes<const N: usize>() -> [u8; N] {
-    let mut bytes = [0u8; N];
-    ring::rand::SystemRandom::new().fill(&mut bytes).expect("the system's random generator");
-    bytes
-}
+use crate::secrets::random_bytes;
 
 /// A new signing secret: `whsec_` + base64 of 32 random bytes.
 pub fn new_secret() -> String {
@@ -113,32 +91,16 @@ pub fn new_secret() -> String {
 /// (AES-256-GCM, the webhook id as additional data, so a stored value cannot be moved to another
 /// webhook) with a key, `plain:<secret>` without.
 pub fn seal(secret: &str, key: Option<&SecretsKey>, id: Uuid) -> String {
-    let Some(key) = key else { return format!("plain:{secret}") };
-    let nonce = random_bytes::<12>();
-    let mut data = secret.as_bytes().to_vec();
-    key.0
-        .seal_in_place_append_tag(aead::Nonce::assume_unique_for_key(nonce), aead::Aad::from(id.as_bytes()), &mut data)
-        .expect("AES-GCM sealing a short secret");
-    let mut out = nonce.to_vec();
-    out.extend_from_slice(&data);
-    format!("v1:{}", B64.encode(out))
+    crate::secrets::seal(secret, key, id.as_bytes())
 }
 
 /// The secret of webhook `id` from its stored form (see [`seal`]).
 pub fn open(stored: &str, key: Option<&SecretsKey>, id: Uuid) -> Result<String, SecretError> {
-    if let Some(plain) = stored.strip_prefix("plain:") {
-        return Ok(plain.to_owned());
-    }
-    let sealed = stored.strip_prefix("v1:").ok_or(SecretError::Malformed)?;
-    let key = key.ok_or(SecretError::NoKey)?;
-    let mut bytes = B64.decode(sealed).map_err(|_| SecretError::Malformed)?;
-    if bytes.len() < 12 + aead::AES_256_GCM.tag_len() {
-        return Err(SecretError::Malformed);
-    }
-    let mut data = bytes.split_off(12);
-    let nonce = aead::Nonce::try_assume_unique_for_key(&bytes).map_err(|_| SecretError::Malformed)?;
-    let plain = key.0.open_in_place(nonce, aead::Aad::from(id.as_bytes()), &mut data).map_err(|_| SecretError::WrongKey)?;
-    String::from_utf8(plain.to_vec()).map_err(|_| SecretError::Malformed)
+    crate::secrets::open(stored, key, id.as_bytes()).map_err(|e| match e {
+        crate::secrets::OpenError::NoKey => SecretError::NoKey,
+        crate::secrets::OpenError::WrongKey => SecretError::WrongKey,
+        crate::secrets::OpenError::Malformed => SecretError::Malformed,
+    })
 }
 
 /// The `webhook-id` of delivery `id`: `msg_` + its 32 hex digits (stable across attempts).

@@ -120,6 +120,10 @@ pub struct WorkerConfig {
     #[command(flatten)]
     pub webhooks: agentloop_shared::webhooks::WebhookArgs,
 
+    /// MCP sign-in (`OAUTH_TOKENS_KEY`, `OAUTH_REDIRECT_URL`, `OAUTH_SIGNIN_TTL_MS`).
+    #[command(flatten)]
+    pub oauth: agentloop_shared::mcp_auth::OAuthArgs,
+
     /// Webhook deliveries this worker sends at once.
     #[arg(long, env = "WEBHOOK_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     pub webhook_concurrency: u32,

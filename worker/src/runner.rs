@@ -96,6 +96,12 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         approval_timeout: config.approval_timeout,
         schema_tokens_cache: std::sync::Mutex::new(None),
         titles: crate::title::Titles::default(),
+        oauth: crate::tool_calls::SignInSettings {
+            key: config.oauth.tokens_key().context("OAUTH_TOKENS_KEY")?.map(Arc::new),
+            redirect_url: config.oauth.oauth_redirect_url.clone().filter(|u| !u.trim().is_empty()),
+            ttl: Duration::from_millis(config.oauth.oauth_signin_ttl_ms.max(1000)),
+            client: agentloop_shared::mcp_auth::client(),
+        },
     });
     agentloop_shared::tokens::warm_up().await;
     tracing::info!(worker.id = %worker_id, concurrency = config.concurrency, pool = config.db.db_pool_size, "worker started");

@@ -58,6 +58,8 @@ pub struct SliceEnv {
     pub schema_tokens_cache: std::sync::Mutex<Option<(String, i64)>>,
     /// Automatic titles after a thread's first answer (bounded background tasks).
     pub titles: crate::title::Titles,
+    /// MCP sign-in settings (`OAUTH_*`).
+    pub oauth: crate::tool_calls::SignInSettings,
 }
 
 impl SliceEnv {
@@ -141,6 +143,29 @@ impl Slice {
                 if done.cancel_requested && done.status == agentloop_shared::runs::status::RUNNING {
                     self.control.abort(AbortReason::Cancel);
                 }
+                Ok(done)
+            }
+            None => Err(SliceError::LeaseLost),
+        }
+    }
+
+    /// Parks the run for an MCP sign-in: `commit` (ending [`SliceEnd::WaitingAuthorization`])
+    /// with the authorization row, in one transaction ([`agentloop_shared::mcp_auth::park`]).
+    /// Deadline and bookkeeping as [`Slice::commit`].
+    pub(crate) async fn park_authorization(
+        &mut self,
+        mut commit: Commit,
+        park: &agentloop_shared::mcp_auth::Park<'_>,
+        key: &agentloop_shared::secrets::SecretsKey,
+    ) -> Result<Committed, SliceError> {
+        commit.usage = self.usage;
+        let deadline = self.control.confirmed() + self.env.lease.saturating_sub(self.env.renew / 2);
+        let result = agentloop_shared::mcp_auth::park(&self.env.store, &self.lease, self.step_id, &commit, park, key, deadline).await;
+        match result? {
+            Some(done) => {
+                self.usage = Usage::default();
+                self.control.confirm();
+                self.control.end();
                 Ok(done)
             }
             None => Err(SliceError::LeaseLost),

@@ -17,6 +17,14 @@
 //! mid-call) makes the operation `uncertain` and the run `blocked` — never `failed`, never
 //! retried automatically. When the batch needs approvals, its rows are created in the commit
 //! that parks the run in `waiting_approval` (lease released); the `auto` calls have run by then.
+//!
+//! A call of an MCP server with `auth: oauth` carries the run's principal and their token
+//! ([`agentloop_shared::mcp_auth::token_for_call`], which also claims the run's completed
+//! authorization of that call, once). When the server answers that authorization is required,
+//! the call had no effect: the worker discovers the authorization server and parks the run in
+//! `waiting_authorization` with a sign-in URL ([`authorize`]); the callback requeues the same run
+//! and the next slice retries the call under the same operation key. A sign-in that cannot be
+//! offered (no `OAUTH_TOKENS_KEY` / `OAUTH_REDIRECT_URL`, discovery failed) is an error result.
 
 use std::collections::HashSet;
 use std::time::Instant;
@@ -27,9 +35,26 @@ use agentloop_shared::messages::{NewMessage, ToolCallRef, role};
 use agentloop_shared::operations::{self, Operation, status as op_status};
 use agentloop_shared::scheduler::step::{ContextSize, OpenCalls, OperationChange};
 use agentloop_shared::scheduler::{Commit, SliceEnd};
+use agentloop_shared::mcp_auth;
+use agentloop_shared::secrets::SecretsKey;
+use agentloop_shared::tools::mcp::{AuthChallenge, McpCredential, McpServer};
 use agentloop_shared::tools::{Policy, ToolContext, ToolOutcome};
 use serde_json::Value;
+use std::sync::Arc;
+use std::time::Duration;
 use tracing::Instrument;
+
+/// The worker's MCP sign-in settings (`OAUTH_*`).
+pub struct SignInSettings {
+    /// `OAUTH_TOKENS_KEY`: without it no sign-in is offered (tokens are never stored in clear).
+    pub key: Option<Arc<SecretsKey>>,
+    /// `OAUTH_REDIRECT_URL`: the api's callback, the `redirect_uri` of every sign-in.
+    pub redirect_url: Option<String>,
+    /// How long a sign-in link can be used.
+    pub ttl: Duration,
+    /// Discovery client (timeouts, no redirects).
+    pub client: reqwest::Client,
+}
 
 use crate::slice::{Slice, SliceError};
 
@@ -250,14 +275,26 @@ async fn execute(
             return Ok(None);
         }
     };
-    let ctx = ToolContext { idempotency_key: key.clone(), cancel: slice.control.cancel_token() };
+    let oauth = tools.oauth_server(&call.name);
+    let credential = match &oauth {
+        Some(server) => credential_for(slice, server, call).await?,
+        None => None,
+    };
+    let used = credential.as_ref().and_then(|c| c.token.as_deref()).map(agentloop_shared::tools::mcp::fingerprint);
+    let ctx = ToolContext { idempotency_key: key.clone(), cancel: slice.control.cancel_token(), credential };
     let started = Instant::now();
     if tools.is_idempotent(&call.name) {
         let span = tool_span(call);
-        let outcome = tools.invoke(tool.as_ref(), arguments, ctx).instrument(span.clone()).await;
+        let mut outcome = tools.invoke(tool.as_ref(), arguments, ctx).instrument(span.clone()).await;
         traced(&span, &outcome);
         slice.check_abort()?;
         record(call, &outcome, false, started);
+        if let (Some(challenge), Some(server)) = (outcome.authorization.clone(), &oauth) {
+            match authorize(slice, results, call, &key, &challenge, server, used.clone()).await? {
+                Ok(end) => return Ok(Some(end)),
+                Err(reason) => outcome.content = reason,
+            }
+        }
         results.push(result_for(call, content_of(&outcome, edited)));
         return Ok(None);
     }
@@ -291,9 +328,17 @@ async fn execute(
     // it, and the registry then reports the outcome as uncertain.
     let ctx = ToolContext { cancel: slice.control.effect_token(), ..ctx };
     let span = tool_span(call);
-    let outcome = tools.invoke(tool.as_ref(), arguments, ctx).instrument(span.clone()).await;
+    let mut outcome = tools.invoke(tool.as_ref(), arguments, ctx).instrument(span.clone()).await;
     traced(&span, &outcome);
     record(call, &outcome, true, started);
+    if let (Some(challenge), Some(server)) = (outcome.authorization.clone(), &oauth) {
+        // Refused for want of authorization: the call had no effect. Parking puts its
+        // operation back to `prepared`, so the retry dispatches it again under the same key.
+        match authorize(slice, results, call, &key, &challenge, server, used.clone()).await? {
+            Ok(end) => return Ok(Some(end)),
+            Err(reason) => outcome.content = reason,
+        }
+    }
     if outcome.uncertain {
         tracing::warn!(tool.name = %call.name, "the outcome of a call with external effects is unknown: the run is blocked");
         let finish = OperationChange::Finish { key, status: op_status::UNCERTAIN, result: outcome.content.clone() };
@@ -320,6 +365,75 @@ async fn execute(
         Err(error) => return Err(error),
     }
     Ok(None)
+}
+
+/// The run's principal and their token for `server` (claiming the run's completed authorization
+/// of this call, once).
+async fn credential_for(slice: &Slice, server: &McpServer, call: &ToolCallRef) -> Result<Option<McpCredential>, SliceError> {
+    let key = slice.env.oauth.key.as_deref();
+    let found = mcp_auth::token_for_call(&slice.env.store, slice.lease.run_id, server.name(), &call.id, key).await?;
+    Ok(found.map(|found| {
+        if let Some(id) = found.claimed {
+            tracing::info!(mcp.server = server.name(), authorization.id = %id, "the call claims its completed sign-in");
+            metrics::counter!("agentloop_mcp_authorizations_claimed_total").increment(1);
+        }
+        McpCredential { principal: found.principal, token: found.token }
+    }))
+}
+
+/// A call refused for want of authorization: discovers the server's authorization server and
+/// parks the run in `waiting_authorization` with a sign-in URL (the results before the call in
+/// the same transaction). `Ok(Err(reason))`: no sign-in can be offered; `reason` is the call's
+/// error result.
+async fn authorize(
+    slice: &mut Slice,
+    results: &mut Results,
+    call: &ToolCallRef,
+    key: &str,
+    challenge: &AuthChallenge,
+    server: &McpServer,
+    used: Option<String>,
+) -> Result<Result<SliceEnd, String>, SliceError> {
+    let name = server.name().to_owned();
+    let settings = &slice.env.oauth;
+    let (Some(secrets), Some(redirect)) = (settings.key.clone(), settings.redirect_url.clone()) else {
+        tracing::warn!(mcp.server = %name, "an MCP server asks for a sign-in, but OAUTH_TOKENS_KEY or OAUTH_REDIRECT_URL is not set");
+        return Ok(Err(format!("MCP server `{name}` requires the user's sign-in, and sign-in is not configured on this server (OAUTH_TOKENS_KEY, OAUTH_REDIRECT_URL).")));
+    };
+    let oauth = server.oauth().expect("an oauth server").clone();
+    let discovered = match mcp_auth::discover(&settings.client, challenge, server.url().unwrap_or_default(), &oauth.scopes).await {
+        Ok(discovered) => discovered,
+        Err(error) => {
+            tracing::warn!(mcp.server = %name, %error, "MCP authorization discovery failed");
+            return Ok(Err(format!("MCP server `{name}` requires the user's sign-in, but its authorization server could not be found: {error}")));
+        }
+    };
+    let sign_in = match mcp_auth::SignIn::new(&discovered, &oauth.client_id, &redirect) {
+        Ok(sign_in) => sign_in,
+        Err(error) => return Ok(Err(format!("MCP server `{name}` requires the user's sign-in, but: {error}"))),
+    };
+    // A refused token (revoked, or expired at the server) is discarded in the same transaction.
+    let discard = if challenge.had_token { used } else { None };
+    let park = mcp_auth::Park {
+        sign_in: &sign_in,
+        discovered: &discovered,
+        server: &name,
+        client_id: &oauth.client_id,
+        redirect_uri: &redirect,
+        tool_call_id: &call.id,
+        operation_key: key,
+        ttl: settings.ttl,
+        discard,
+    };
+    let commit = Commit { messages: results.take(), end: Some(SliceEnd::WaitingAuthorization), ..Commit::default() };
+    let done = slice.park_authorization(commit, &park, &secrets).await?;
+    if done.status == agentloop_shared::runs::status::WAITING_AUTHORIZATION {
+        tracing::info!(mcp.server = %name, authorization.id = %sign_in.id, revoked = challenge.had_token, "a tool call needs the user's sign-in: the run waits");
+        metrics::counter!("agentloop_mcp_authorizations_requested_total").increment(1);
+        return Ok(Ok(SliceEnd::WaitingAuthorization));
+    }
+    // A cancellation requested meanwhile won.
+    Ok(Ok(SliceEnd::Cancelled { keep_streamed: false }))
 }
 
 /// The span of one tool call, `execute_tool {name}` with the GenAI semantic-convention

@@ -145,6 +145,9 @@ pub enum SliceEnd {
     Cancelled { keep_streamed: bool },
     /// Tool calls wait for a human decision (lease released).
     WaitingApproval,
+    /// A tool call waits for the user's sign-in at an MCP server (lease released); written by
+    /// [`crate::mcp_auth::park`] only, with the authorization row.
+    WaitingAuthorization,
     /// An operation's outcome is unknown (SPEC §7).
     Blocked,
 }
@@ -160,6 +163,7 @@ impl SliceEnd {
             Self::Failed { .. } => "failed",
             Self::Cancelled { .. } => "cancelled",
             Self::WaitingApproval => "waiting_approval",
+            Self::WaitingAuthorization => "waiting_authorization",
             Self::Blocked => "blocked",
         }
     }

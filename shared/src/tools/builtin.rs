@@ -219,6 +219,7 @@ mod tests {
 
     fn ctx() -> ToolContext {
         ToolContext {
+            credential: None,
             idempotency_key: "k".into(),
             cancel: CancellationToken::new(),
         }

@@ -139,6 +139,36 @@ pub struct McpServerConfig {
     /// `http` transport: which redirects are followed (default `none`).
     #[serde(default)]
     pub redirects: Redirects,
+    /// `http` transport: how calls authenticate as the run's user. Absent: every call goes
+    /// through one shared connection with the configured `headers`. `{"type": "oauth", ...}`:
+    /// MCP's OAuth authorization (docs/architecture.md §15) — calls carry the run's principal's
+    /// token over a connection of that principal, and a server answering 401 parks the run in
+    /// `waiting_authorization` with a sign-in URL.
+    #[serde(default)]
+    pub auth: Option<McpAuthConfig>,
+}
+
+/// How an MCP server's calls authenticate.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct McpAuthConfig {
+    /// `oauth` (the only kind).
+    #[serde(rename = "type")]
+    pub kind: McpAuthKind,
+    /// The client id registered with the server's authorization server (static registration).
+    pub client_id: String,
+    /// Scopes requested (space-joined), unless the server's 401 names them; default: the
+    /// protected resource metadata's `scopes_supported`, else none.
+    #[serde(default)]
+    pub scopes: Vec<String>,
+}
+
+/// Kinds of MCP authentication.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum McpAuthKind {
+    /// OAuth 2.1 authorization code with PKCE (S256), per the MCP authorization specification.
+    Oauth,
 }
 
 /// Which HTTP redirects an outbound client follows.
@@ -257,7 +287,13 @@ impl ToolsConfig {
                 McpTransport::Stdio if server.command.is_none() => {
                     return Err(ToolsConfigError::Invalid(format!("MCP server `{}`: the stdio transport needs `command`", server.name)));
                 }
+                McpTransport::Stdio if server.auth.is_some() => {
+                    return Err(ToolsConfigError::Invalid(format!("MCP server `{}`: `auth` needs the http transport", server.name)));
+                }
                 _ => {}
+            }
+            if server.auth.as_ref().is_some_and(|a| a.client_id.trim().is_empty()) {
+                return Err(ToolsConfigError::Invalid(format!("MCP server `{}`: `auth.clientId` must not be empty", server.name)));
             }
         }
         for server in &self.mcp_servers {

@@ -13,6 +13,17 @@
 //! cannot truncate one). Sessions are not silently re-initialized after an expiry: the call
 //! fails and the next one reconnects.
 //!
+//! **Servers with `auth: oauth`** (MCP's OAuth authorization; docs/architecture.md §15) act for
+//! the run's user, so nothing of one user's connection may serve another: the shared connection
+//! is used only to list the tools (anonymously, at start-up), and every call goes through a
+//! session of its (principal, server) pair, opened with that principal's bearer token
+//! ([`McpCredential`], resolved by the caller from `mcp_tokens`) and replaced when the token
+//! changes. At most [`MAX_PRINCIPAL_SESSIONS`] such sessions are kept per server (the least
+//! recently used is closed). A 401 (or a 403 `insufficient_scope`) answer to the session's
+//! initialization or to the call is [`ToolError::AuthorizationRequired`] with the server's
+//! `WWW-Authenticate` challenge: the call certainly had no effect, the session is dropped, and
+//! the worker parks the run for a sign-in ([`crate::mcp_auth`]).
+//!
 //! Outcomes of a call ([`classify_call_error`]): a JSON-RPC error answer or an `isError` result
 //! is failed (the server answered), as is a failure to connect before the request was sent; a
 //! call timeout, a transport error or a connection closed after the request was sent is
@@ -27,7 +38,9 @@ use rmcp::model::{CallToolRequestParams, CallToolResult, ContentBlock, MetaObjec
 use rmcp::service::{ClientInitializeError, Peer, RoleClient, RunningService, ServiceError, ServiceExt};
 use rmcp::transport::common::client_side_sse::ExponentialBackoff;
 use rmcp::transport::streamable_http_client::StreamableHttpError;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use uuid::Uuid;
 
 use super::config::{DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MCP_CALL_TIMEOUT_MS, DEFAULT_MCP_CONNECT_TIMEOUT_MS, McpServerConfig, McpTransport};
 use super::http::{OnRefusedRedirect, classify_send_error, describe, outbound_client, redirect_policy};
@@ -45,6 +58,59 @@ pub const IDEMPOTENCY_META_KEY: &str = "idempotencyKey";
 
 type Client = RunningService<RoleClient, ()>;
 
+/// Most (principal, server) sessions kept open per `auth: oauth` server.
+pub const MAX_PRINCIPAL_SESSIONS: usize = 256;
+
+/// Who a call of an `auth: oauth` server's tool is made for, and their access token.
+#[derive(Clone)]
+pub struct McpCredential {
+    /// The run's principal: the session used is this principal's own.
+    pub principal: Uuid,
+    /// The principal's access token for this server; `None` when they have none (the call goes
+    /// without, and the server's 401 starts a sign-in).
+    pub token: Option<String>,
+}
+
+impl std::fmt::Debug for McpCredential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("McpCredential").field("principal", &self.principal).field("token", &self.token.as_ref().map(|_| "..")).finish()
+    }
+}
+
+/// An MCP server's refusal for want of authorization.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AuthChallenge {
+    /// The configured server name.
+    pub server: String,
+    /// The answer's `WWW-Authenticate` header (`Bearer resource_metadata="...", scope="..."`),
+    /// if it had one.
+    pub www_authenticate: Option<String>,
+    /// The refused request carried a token: the server revoked it or it expired there.
+    pub had_token: bool,
+}
+
+/// A (principal, server) session of an `auth: oauth` server.
+struct Session {
+    client: Client,
+    /// SHA-256 of the token the session was opened with.
+    fingerprint: Option<String>,
+    used: Instant,
+}
+
+/// Why a connection could not be opened.
+enum OpenError {
+    /// HTTP 401 (or 403 insufficient_scope), with the `WWW-Authenticate` header if any.
+    Auth(Option<String>),
+    Other(String),
+}
+
+/// SHA-256 (hex) of a token (compared, stored and logged instead of the token).
+pub fn fingerprint(token: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(token.as_bytes()))
+}
+
 /// Connection state of a server.
 #[derive(Default)]
 struct State {
@@ -57,6 +123,8 @@ struct State {
 pub struct McpServer {
     config: McpServerConfig,
     state: tokio::sync::Mutex<State>,
+    /// Per-principal sessions (`auth: oauth` servers only).
+    sessions: tokio::sync::Mutex<HashMap<Uuid, Session>>,
     tools: RwLock<Vec<Arc<McpTool>>>,
     this: Weak<McpServer>,
 }
@@ -70,12 +138,28 @@ impl std::fmt::Debug for McpServer {
 impl McpServer {
     /// A server handle for `config` (not connected yet; see [`McpServer::connect`]).
     pub fn new(config: McpServerConfig) -> Arc<Self> {
-        Arc::new_cyclic(|this| Self { config, state: tokio::sync::Mutex::default(), tools: RwLock::default(), this: this.clone() })
+        Arc::new_cyclic(|this| Self {
+            config,
+            state: tokio::sync::Mutex::default(),
+            sessions: tokio::sync::Mutex::default(),
+            tools: RwLock::default(),
+            this: this.clone(),
+        })
     }
 
     /// The configured name.
     pub fn name(&self) -> &str {
         &self.config.name
+    }
+
+    /// The OAuth settings of an `auth: oauth` server.
+    pub fn oauth(&self) -> Option<&super::config::McpAuthConfig> {
+        self.config.auth.as_ref()
+    }
+
+    /// The configured endpoint of the `http` transport (the OAuth protected resource).
+    pub fn url(&self) -> Option<&str> {
+        self.config.url.as_deref()
     }
 
     /// The default policy of this server's tools, if configured.
@@ -130,7 +214,8 @@ impl McpServer {
         result
     }
 
-    async fn open(&self) -> Result<(Client, Vec<Arc<McpTool>>), String> {
+    /// Opens a connection (with `bearer` as the `Authorization: Bearer` token, `http` only).
+    async fn open_client(&self, bearer: Option<&str>) -> Result<Client, OpenError> {
         let client: Client = match self.config.transport {
             McpTransport::Http => {
                 use rmcp::transport::StreamableHttpClientTransport;
@@ -138,8 +223,8 @@ impl McpServer {
                 let url = self.config.url.clone().unwrap_or_default();
                 let mut headers = HashMap::new();
                 for (name, value) in &self.config.headers {
-                    let name = reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| format!("header {name}: {e}"))?;
-                    let value = reqwest::header::HeaderValue::from_str(value).map_err(|e| format!("header {name}: {e}"))?;
+                    let name = reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| OpenError::Other(format!("header {name}: {e}")))?;
+                    let value = reqwest::header::HeaderValue::from_str(value).map_err(|e| OpenError::Other(format!("header {name}: {e}")))?;
                     headers.insert(name, value);
                 }
                 let call_timeout = self.call_timeout();
@@ -149,13 +234,16 @@ impl McpServer {
                 let client = outbound_client(self.connect_timeout(), read_timeout, None, policy)
                     .pool_max_idle_per_host(0)
                     .build()
-                    .map_err(|e| format!("cannot build the HTTP client: {}", describe(&e)))?;
+                    .map_err(|e| OpenError::Other(format!("cannot build the HTTP client: {}", describe(&e))))?;
                 let cap = self.config.max_response_bytes.unwrap_or(DEFAULT_MAX_RESPONSE_BYTES);
                 let mut config = StreamableHttpClientTransportConfig::with_uri(url)
                     .custom_headers(headers)
                     .max_json_response_size(cap)
                     .max_sse_event_size(cap)
                     .reinit_on_expired_session(false);
+                if let Some(token) = bearer {
+                    config = config.auth_header(token);
+                }
                 // A broken event stream is resumed a few times (0.25 + 0.5 + 1 s), not forever:
                 // a call whose answer stream died ends as uncertain instead of waiting for the
                 // call timeout.
@@ -165,7 +253,17 @@ impl McpServer {
                 retry.max_delay = Some(Duration::from_secs(2));
                 config.retry_config = Arc::new(retry);
                 let transport = StreamableHttpClientTransport::with_client(client, config);
-                ().serve(transport).await.map_err(|e| format!("cannot connect: {}", init_text(&e)))?
+                match ().serve(transport).await {
+                    Ok(client) => client,
+                    Err(e) => {
+                        if let ClientInitializeError::TransportError { error, .. } = &e
+                            && let Some(header) = auth_challenge(error.error.as_ref())
+                        {
+                            return Err(OpenError::Auth(header));
+                        }
+                        return Err(OpenError::Other(format!("cannot connect: {}", init_text(&e))));
+                    }
+                }
             }
             McpTransport::Stdio => {
                 let mut command = tokio::process::Command::new(self.config.command.clone().unwrap_or_default());
@@ -174,10 +272,18 @@ impl McpServer {
                 let (transport, _) = rmcp::transport::TokioChildProcess::builder(command)
                     .stderr(std::process::Stdio::inherit())
                     .spawn()
-                    .map_err(|e| format!("cannot start: {e}"))?;
-                ().serve(transport).await.map_err(|e| format!("cannot connect: {}", init_text(&e)))?
+                    .map_err(|e| OpenError::Other(format!("cannot start: {e}")))?;
+                ().serve(transport).await.map_err(|e| OpenError::Other(format!("cannot connect: {}", init_text(&e))))?
             }
         };
+        Ok(client)
+    }
+
+    async fn open(&self) -> Result<(Client, Vec<Arc<McpTool>>), String> {
+        let client = self.open_client(None).await.map_err(|e| match e {
+            OpenError::Auth(_) => "requires authorization even to list its tools (only servers that list them anonymously are supported with auth: oauth)".to_owned(),
+            OpenError::Other(text) => text,
+        })?;
         let listed = client.list_all_tools().await.map_err(|e| format!("cannot list tools: {}", service_text(&e)))?;
         let tools = listed
             .into_iter()
@@ -220,9 +326,57 @@ impl McpServer {
     /// Calls `remote` with `args`; the result text, or a tool error the model can read
     /// (classified by [`classify_call_error`]; a server that cannot be reached before the call
     /// is sent is failed).
-    async fn call(&self, remote: &str, args: Value, key: &str) -> Result<String, ToolError> {
+    /// The peer of `credential`'s own session, opened (with their token) unless one with the
+    /// same token is open.
+    async fn principal_peer(&self, credential: &McpCredential) -> Result<Peer<RoleClient>, ToolError> {
         let name = &self.config.name;
-        let peer = self.peer().await.map_err(|e| ToolError::Failed(format!("MCP server `{name}` is unavailable: {e}")))?;
+        let print = credential.token.as_deref().map(fingerprint);
+        {
+            let mut sessions = self.sessions.lock().await;
+            if let Some(session) = sessions.get_mut(&credential.principal) {
+                if session.fingerprint == print && !session.client.is_closed() {
+                    session.used = Instant::now();
+                    return Ok(session.client.peer().clone());
+                }
+                sessions.remove(&credential.principal);
+            }
+        }
+        let timeout = self.connect_timeout();
+        let client = match tokio::time::timeout(timeout, self.open_client(credential.token.as_deref())).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(OpenError::Auth(header))) => {
+                return Err(ToolError::AuthorizationRequired(AuthChallenge {
+                    server: name.clone(),
+                    www_authenticate: header,
+                    had_token: credential.token.is_some(),
+                }));
+            }
+            Ok(Err(OpenError::Other(error))) => return Err(ToolError::Failed(format!("MCP server `{name}` is unavailable: {error}"))),
+            Err(_) => return Err(ToolError::Failed(format!("MCP server `{name}` is unavailable: no answer within {} ms", timeout.as_millis()))),
+        };
+        let peer = client.peer().clone();
+        let mut sessions = self.sessions.lock().await;
+        if sessions.len() >= MAX_PRINCIPAL_SESSIONS
+            && let Some(oldest) = sessions.iter().min_by_key(|(_, s)| s.used).map(|(id, _)| *id)
+        {
+            sessions.remove(&oldest);
+        }
+        sessions.insert(credential.principal, Session { client, fingerprint: print, used: Instant::now() });
+        Ok(peer)
+    }
+
+    /// Calls `remote` with `args`; the result text, or a tool error the model can read
+    /// (classified by [`classify_call_error`]; a server that cannot be reached before the call
+    /// is sent is failed). An `auth: oauth` server is called through `credential`'s session
+    /// (see the module docs).
+    async fn call(&self, remote: &str, args: Value, key: &str, credential: Option<&McpCredential>) -> Result<String, ToolError> {
+        let name = &self.config.name;
+        let oauth = self.config.auth.is_some();
+        let peer = match (oauth, credential) {
+            (true, Some(credential)) => self.principal_peer(credential).await?,
+            (true, None) => return Err(ToolError::Failed(format!("MCP server `{name}` acts for a signed-in user, and this call has none"))),
+            (false, _) => self.peer().await.map_err(|e| ToolError::Failed(format!("MCP server `{name}` is unavailable: {e}")))?,
+        };
         let arguments = match args {
             Value::Object(map) => map,
             _ => Map::new(),
@@ -236,7 +390,22 @@ impl McpServer {
             Ok(Ok(result)) => result_text(result),
             Ok(Err(error)) => {
                 if !matches!(error, ServiceError::McpError(_)) {
-                    self.forget().await;
+                    match credential.filter(|_| oauth) {
+                        Some(credential) => {
+                            self.sessions.lock().await.remove(&credential.principal);
+                        }
+                        None => self.forget().await,
+                    }
+                }
+                if oauth
+                    && let ServiceError::TransportSend(transport) = &error
+                    && let Some(header) = auth_challenge(transport.error.as_ref())
+                {
+                    return Err(ToolError::AuthorizationRequired(AuthChallenge {
+                        server: name.clone(),
+                        www_authenticate: header,
+                        had_token: credential.is_some_and(|c| c.token.is_some()),
+                    }));
                 }
                 if matches!(error, ServiceError::TransportClosed) && self.config.transport == McpTransport::Http {
                     // rmcp drops an SSE event over the cap and then reports the stream closed.
@@ -250,6 +419,25 @@ impl McpServer {
             Err(_) => Err(ToolError::Uncertain(format!("MCP server `{name}` did not answer within {} ms", timeout.as_millis()))),
         }
     }
+}
+
+/// `Some(WWW-Authenticate header if any)` when a transport error is the server's refusal for
+/// want of authorization: HTTP 401, or 403 with an `insufficient_scope` challenge.
+fn auth_challenge(error: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<Option<String>> {
+    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = current {
+        if let Some(http) = e.downcast_ref::<StreamableHttpError<reqwest::Error>>() {
+            return match http {
+                StreamableHttpError::AuthRequired(auth) => Some(Some(auth.www_authenticate_header.clone())),
+                StreamableHttpError::InsufficientScope(scope) => Some(Some(scope.www_authenticate_header.clone())),
+                StreamableHttpError::HttpStatus(status) if status.status == 401 => Some(None),
+                StreamableHttpError::UnexpectedServerResponse(text) if text.starts_with("HTTP 401") => Some(None),
+                _ => None,
+            };
+        }
+        current = e.source();
+    }
+    None
 }
 
 /// Classifies the error of an MCP `tools/call` sent to `server` (the call timeout itself is
@@ -384,7 +572,7 @@ impl Tool for McpTool {
         let remote = self.remote.clone();
         Box::pin(async move {
             let server = server.ok_or_else(|| ToolError::Failed("MCP server is gone".into()))?;
-            server.call(&remote, args, &ctx.idempotency_key).await
+            server.call(&remote, args, &ctx.idempotency_key, ctx.credential.as_ref()).await
         })
     }
 }

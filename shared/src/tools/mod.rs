@@ -60,12 +60,15 @@ pub struct ToolContext {
     pub idempotency_key: String,
     /// Cancelled when the slice is cancelled or abandoned.
     pub cancel: CancellationToken,
+    /// Who the call is made for, and their token for the tool's MCP server, when that server
+    /// uses OAuth (`auth: oauth`); `None` for every other tool.
+    pub credential: Option<mcp::McpCredential>,
 }
 
 impl ToolContext {
     /// A context for a call keyed `idempotency_key`, with a fresh (uncancelled) token.
     pub fn new(idempotency_key: impl Into<String>) -> Self {
-        Self { idempotency_key: idempotency_key.into(), cancel: CancellationToken::new() }
+        Self { idempotency_key: idempotency_key.into(), cancel: CancellationToken::new(), credential: None }
     }
 }
 
@@ -88,6 +91,11 @@ pub enum ToolError {
     /// The call was cancelled through [`ToolContext::cancel`].
     #[error("cancelled")]
     Cancelled,
+    /// The tool's MCP server refused the call for want of the user's authorization (HTTP 401,
+    /// or 403 `insufficient_scope`): the call certainly had no effect; the caller may park the
+    /// run for a sign-in ([`crate::mcp_auth`]) and retry it under the same key.
+    #[error("MCP server `{}` requires the user's authorization (sign-in)", .0.server)]
+    AuthorizationRequired(mcp::AuthChallenge),
 }
 
 /// How the content of an uncertain outcome starts.
@@ -106,22 +114,26 @@ pub struct ToolOutcome {
     /// For a non-idempotent tool the operation must be recorded `uncertain`, not `failed`.
     #[serde(default)]
     pub uncertain: bool,
+    /// Set when the call failed for want of the user's authorization
+    /// ([`ToolError::AuthorizationRequired`]); implies `is_error`, never `uncertain`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub authorization: Option<mcp::AuthChallenge>,
 }
 
 impl ToolOutcome {
     /// A successful outcome with `content`.
     pub fn ok(content: impl Into<String>) -> Self {
-        Self { content: content.into(), is_error: false, uncertain: false }
+        Self { content: content.into(), is_error: false, uncertain: false, authorization: None }
     }
 
     /// A failed outcome with `message` (the call certainly had no effect).
     pub fn error(message: impl Into<String>) -> Self {
-        Self { content: message.into(), is_error: true, uncertain: false }
+        Self { content: message.into(), is_error: true, uncertain: false, authorization: None }
     }
 
     /// An uncertain outcome with `message` (see [`ToolOutcome::uncertain`]).
     pub fn uncertain(message: impl Into<String>) -> Self {
-        Self { content: message.into(), is_error: true, uncertain: true }
+        Self { content: message.into(), is_error: true, uncertain: true, authorization: None }
     }
 }
 
@@ -189,6 +201,13 @@ impl ToolRegistry {
             return policy;
         }
         self.mcp.iter().find(|s| s.owns(name)).and_then(|s| s.policy()).unwrap_or(self.default_policy)
+    }
+
+    /// The MCP server owning `name` when that server authenticates its calls with OAuth
+    /// (`auth: oauth`): the caller must put the run's principal and token in
+    /// [`ToolContext::credential`].
+    pub fn oauth_server(&self, name: &str) -> Option<Arc<mcp::McpServer>> {
+        self.mcp.iter().find(|s| s.owns(name) && s.oauth().is_some()).cloned()
     }
 
     /// Whether calls of `name` skip the operations ledger: the tools file's `idempotent`, else
@@ -302,6 +321,10 @@ impl ToolRegistry {
         let outcome = match result {
             Ok(text) => ToolOutcome::ok(text),
             Err(error @ ToolError::Uncertain(_)) => ToolOutcome::uncertain(error.to_string()),
+            Err(ToolError::AuthorizationRequired(challenge)) => ToolOutcome {
+                authorization: Some(challenge.clone()),
+                ..ToolOutcome::error(ToolError::AuthorizationRequired(challenge).to_string())
+            },
             Err(error) => ToolOutcome::error(error.to_string()),
         };
         ToolOutcome { content: truncate_middle(outcome.content, self.max_result_bytes), ..outcome }
@@ -478,6 +501,7 @@ mod tests {
         ToolContext {
             idempotency_key: "run:r:step:1:call:c".into(),
             cancel: CancellationToken::new(),
+            credential: None,
         }
     }
 
