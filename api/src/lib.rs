@@ -109,6 +109,10 @@ pub struct ApiConfig {
     #[command(flatten)]
     pub webhooks: agentloop_shared::webhooks::WebhookArgs,
 
+    /// MCP sign-in: `OAUTH_TOKENS_KEY` (the callback stores tokens with it).
+    #[command(flatten)]
+    pub oauth: agentloop_shared::mcp_auth::OAuthArgs,
+
     /// Webhooks per principal (global, counted in PostgreSQL); 429 `too_many_webhooks` above.
     #[arg(long, env = "WEBHOOK_MAX_PER_PRINCIPAL", default_value_t = 20)]
     pub webhook_max_per_principal: u32,
@@ -255,6 +259,8 @@ pub struct AppState {
     pub liveness: Liveness,
     /// Webhook settings (secrets key, private targets, per-principal bound).
     pub webhooks: routes::webhooks::WebhookState,
+    /// MCP sign-in settings (tokens key, token-request client).
+    pub oauth: routes::oauth::OAuthState,
 }
 
 /// Liveness thresholds of `GET /api/runs/{id}` (ms).
@@ -359,6 +365,10 @@ impl Application {
                 key: config.webhooks.secrets_key().context("WEBHOOK_SECRETS_KEY")?,
                 allow_private: config.webhooks.webhook_allow_private_targets,
                 max_per_principal: config.webhook_max_per_principal,
+            },
+            oauth: routes::oauth::OAuthState {
+                key: config.oauth.tokens_key().context("OAUTH_TOKENS_KEY")?,
+                client: agentloop_shared::mcp_auth::client(),
             },
         });
         let app_state = state.clone();

@@ -61,6 +61,7 @@ use crate::openapi_protocols::Protocols;
         routes::updates::poll_updates::poll_updates,
         routes::runs::get_run::get_run,
         routes::runs::cancel_run::cancel_run,
+        routes::oauth::oauth_callback::oauth_callback,
         routes::approvals::list_approvals::list_approvals,
         routes::approvals::approve_approval::approve_approval,
         routes::approvals::reject_approval::reject_approval,

@@ -253,6 +253,8 @@ pub enum RunStatus {
     Queued,
     Running,
     WaitingApproval,
+    /// A tool call waits for the user's sign-in at an MCP server (`authorization.url`).
+    WaitingAuthorization,
     Blocked,
     Completed,
     Failed,
@@ -352,6 +354,48 @@ pub struct RunDetail {
     pub blocker: Option<Blocker>,
     #[schema(required = false)]
     pub approvals: Option<Vec<ApprovalView>>,
+    /// The pending MCP sign-in of a `waiting_authorization` run.
+    #[schema(required = false)]
+    pub authorization: Option<AuthorizationView>,
+    /// Every MCP sign-in the run asked for, oldest first (absent when none).
+    #[schema(required = false)]
+    pub authorizations: Option<Vec<AuthorizationView>>,
+}
+
+/// MCP sign-in statuses: `pending` (the link can be used), `exchanging` (the callback is
+/// redeeming the code), `completed` (token stored), `claimed` (the run's retry used it),
+/// `failed`, `cancelled` (the run ended first).
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AuthorizationStatus {
+    Pending,
+    Exchanging,
+    Completed,
+    Claimed,
+    Failed,
+    Cancelled,
+}
+
+/// An MCP sign-in a run asked for (`agentloop_authorization_json`; journal event
+/// `authorization`).
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AuthorizationView {
+    pub id: Uuid,
+    pub run_id: Uuid,
+    pub thread_id: Uuid,
+    /// The MCP server's configured name.
+    pub server: String,
+    pub tool_call_id: String,
+    pub status: AuthorizationStatus,
+    /// The sign-in URL (the authorization server's authorize endpoint), while `pending` and
+    /// not expired.
+    pub url: Option<String>,
+    pub error: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+    pub completed_at: Option<DateTime<Utc>>,
+    pub claimed_at: Option<DateTime<Utc>>,
 }
 
 /// Message roles.
@@ -564,7 +608,7 @@ pub struct EventView {
     pub thread_id: Uuid,
     pub sequence: i64,
     /// `thread`, `thread_deleted`, `message`, `messages_deactivated`, `run`, `streaming`,
-    /// `compaction`, `approval`, ...
+    /// `compaction`, `approval`, `authorization`, ...
     pub kind: String,
     /// The event's payload; members over the live-event bound are left out and listed in
     /// `omitted` (`truncated: true`): re-read the thread or message.

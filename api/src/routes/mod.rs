@@ -11,6 +11,7 @@ pub mod chat;
 pub mod health;
 pub mod messages;
 pub mod models;
+pub mod oauth;
 pub mod openai;
 pub mod operations;
 pub mod runs;
@@ -85,6 +86,7 @@ pub fn table(t: &mut Table) {
         .add(M::GET, "/api/threads/{id}/updates", updates::poll_updates::poll_updates)
         .add(M::GET, "/api/runs/{id}", runs::get_run::get_run)
         .add(M::POST, "/api/runs/{id}/cancel", runs::cancel_run::cancel_run)
+        .add(M::GET, "/api/oauth/callback", oauth::oauth_callback::oauth_callback)
         .add(M::GET, "/api/threads/{id}/approvals", approvals::list_approvals::list_approvals)
         .add(M::POST, "/api/approvals/{id}/approve", approvals::approve_approval::approve_approval)
         .add(M::POST, "/api/approvals/{id}/reject", approvals::reject_approval::reject_approval)

@@ -4,6 +4,7 @@
 //! ```text
 //! mcp-test-server --listen 127.0.0.1:0   # streamable HTTP; prints MCP_TEST_URL=http://127.0.0.1:PORT
 //! mcp-test-server --stdio                 # MCP over stdin/stdout (spawned by the worker)
+//! mcp-test-server --listen 127.0.0.1:0 --oauth   # + an authorization server; see below
 //! ```
 //!
 //! Tools:
@@ -16,6 +17,27 @@
 //! - `reject {reason, result?}` -> a JSON-RPC error answer (`-32602`, the reason as message), or
 //!   with `result: true` a tool result with `isError: true`;
 //! - `big {bytes}` -> a text result of `bytes` `x` characters (read-only).
+//!
+//! - `note {text}` -> `note for <user>: <text>` (not idempotent; meant for `--oauth`, where
+//!   `<user>` is the signed-in user of the call's bearer token, else `anonymous`).
+//!
+//! With `--oauth` (and `--listen`) the server is an OAuth-protected MCP resource with its own
+//! authorization server (for the sign-in tests, `tests/tests/mcp_signin.rs`), printed on a second
+//! line `OAUTH_AS_URL=http://127.0.0.1:PORT2`:
+//! - every `tools/call` POST needs `Authorization: Bearer <token>` with a live token issued by
+//!   that authorization server; else `401` with `WWW-Authenticate: Bearer error="invalid_token",
+//!   resource_metadata="<MCP_TEST_URL>/.well-known/oauth-protected-resource/mcp"` (recorded by
+//!   `GET /denied`: `[{tool, idempotencyKey, hadToken}]`); initialize and tools/list stay open;
+//! - `GET /.well-known/oauth-protected-resource[/mcp]`: RFC 9728 metadata (`resource` =
+//!   `<MCP_TEST_URL>/mcp`, `authorization_servers` = the AS);
+//! - the AS: `GET /.well-known/oauth-authorization-server` (RFC 8414, S256 only);
+//!   `GET /authorize?response_type=code&client_id=agentloop-test&redirect_uri&code_challenge
+//!   &code_challenge_method=S256&state&resource[&user=NAME]` -> `302` to
+//!   `redirect_uri?code&state` (the "user" signs in as NAME, default `user`);
+//!   `POST /token` (form: authorization_code grant, code used once, PKCE verified, client and
+//!   redirect_uri checked) -> `{access_token, token_type: "Bearer", expires_in}`;
+//!   `POST /admin/ttl?secs=N` sets the lifetime of tokens issued from then on (default 3600);
+//!   `POST /admin/revoke` revokes every token; `GET /admin/tokens`: `[{user, live}]`.
 //!
 //! HTTP endpoints (with `--listen`): `POST /mcp` (and GET/DELETE: the MCP streamable HTTP
 //! transport); `GET /calls`: `[{tool, arguments, idempotencyKey}]` of every `tools/call`
@@ -48,6 +70,38 @@ struct Args {
     /// Serve MCP over stdin/stdout.
     #[arg(long)]
     stdio: bool,
+    /// Protect tool calls with OAuth and serve an authorization server (see the module docs).
+    #[arg(long)]
+    oauth: bool,
+}
+
+/// The OAuth side of `--oauth`.
+#[derive(Default)]
+struct OAuth {
+    /// `http://127.0.0.1:PORT` of the MCP server.
+    mcp_base: String,
+    /// `http://127.0.0.1:PORT2` of the authorization server.
+    as_base: String,
+    /// code -> (code_challenge, redirect_uri, user).
+    codes: Mutex<std::collections::HashMap<String, (String, String, String)>>,
+    /// token -> (user, expiry).
+    tokens: Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
+    /// Lifetime of new tokens, seconds.
+    ttl: Mutex<u64>,
+    /// Refused tool calls.
+    denied: Mutex<Vec<Value>>,
+}
+
+const CLIENT_ID: &str = "agentloop-test";
+
+impl OAuth {
+    /// The user of a live bearer token in `headers`.
+    fn user(&self, headers: &hyper::HeaderMap) -> Option<String> {
+        let token = headers.get("authorization")?.to_str().ok()?.strip_prefix("Bearer ")?;
+        let tokens = self.tokens.lock().expect("tokens lock");
+        let (user, expiry) = tokens.get(token)?;
+        (*expiry > std::time::Instant::now()).then(|| user.clone())
+    }
 }
 
 /// Every call received: `{tool, arguments, idempotencyKey}`.
@@ -56,6 +110,7 @@ type Calls = Arc<Mutex<Vec<Value>>>;
 #[derive(Clone)]
 struct TestServer {
     calls: Calls,
+    oauth: Option<Arc<OAuth>>,
 }
 
 fn schema(value: Value) -> Map<String, Value> {
@@ -101,6 +156,11 @@ fn tools() -> Vec<Tool> {
             schema(json!({"type": "object", "properties": {"bytes": {"type": "integer"}}, "required": ["bytes"]})),
         )
         .with_annotations(ToolAnnotations::new().read_only(true)),
+        Tool::new(
+            "note",
+            "Save a note for the signed-in user (an external effect).",
+            schema(json!({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})),
+        ),
     ]
 }
 
@@ -129,9 +189,13 @@ impl ServerHandler for TestServer {
             .or_else(|| context.meta.0.0.get("idempotencyKey").cloned())
             .unwrap_or(Value::Null);
         let args = Value::Object(request.arguments.clone().unwrap_or_default());
+        let user = match (&self.oauth, context.extensions.get::<hyper::http::request::Parts>()) {
+            (Some(oauth), Some(parts)) => oauth.user(&parts.headers),
+            _ => None,
+        };
         let count = {
             let mut calls = self.calls.lock().expect("calls lock");
-            calls.push(json!({"tool": request.name, "arguments": args, "idempotencyKey": key}));
+            calls.push(json!({"tool": request.name, "arguments": args, "idempotencyKey": key, "user": user}));
             calls.iter().filter(|c| c["tool"] == "ticket").count()
         };
         let text = |t: String| Ok(CallToolResponse::Complete(CallToolResult::success(vec![ContentBlock::text(t)])));
@@ -152,6 +216,7 @@ impl ServerHandler for TestServer {
                 ))]))),
                 "reject" => Err(ErrorData::invalid_params(format!("rejected: {}", args["reason"].as_str().unwrap_or_default()), None)),
                 "big" => text("x".repeat(args["bytes"].as_u64().unwrap_or(0) as usize)),
+                "note" => text(format!("note for {}: {}", user.as_deref().unwrap_or("anonymous"), args["text"].as_str().unwrap_or_default())),
                 other => Ok(CallToolResponse::Complete(CallToolResult::error(vec![ContentBlock::text(format!("no tool {other}"))]))),
             }
         }
@@ -162,12 +227,94 @@ fn body(text: String) -> BoxBody<Bytes, std::convert::Infallible> {
     Full::new(Bytes::from(text)).boxed()
 }
 
+fn json_response(status: u16, value: &Value) -> Response<BoxBody<Bytes, std::convert::Infallible>> {
+    Response::builder().status(status).header("content-type", "application/json").body(body(value.to_string())).expect("response")
+}
+
+/// Query or form pairs of `text` (`a=1&b=2`).
+fn pairs(text: &str) -> std::collections::HashMap<String, String> {
+    reqwest::Url::parse(&format!("http://pairs.invalid/?{text}"))
+        .map(|u| u.query_pairs().map(|(k, v)| (k.into_owned(), v.into_owned())).collect())
+        .unwrap_or_default()
+}
+
+fn random_token(prefix: &str) -> String {
+    format!("{prefix}{:032x}", rand::random::<u128>())
+}
+
+/// The authorization server of `--oauth` (see the module docs).
+async fn authorization_server(oauth: &OAuth, request: Request<Incoming>) -> Response<BoxBody<Bytes, std::convert::Infallible>> {
+    use base64::Engine;
+    let path = request.uri().path().to_owned();
+    let query = pairs(request.uri().query().unwrap_or_default());
+    let error = |status: u16, code: &str| json_response(status, &json!({"error": code}));
+    match path.as_str() {
+        "/.well-known/oauth-authorization-server" => json_response(
+            200,
+            &json!({"issuer": oauth.as_base, "authorization_endpoint": format!("{}/authorize", oauth.as_base),
+                    "token_endpoint": format!("{}/token", oauth.as_base), "response_types_supported": ["code"],
+                    "grant_types_supported": ["authorization_code"], "code_challenge_methods_supported": ["S256"]}),
+        ),
+        "/authorize" => {
+            let get = |k: &str| query.get(k).cloned().unwrap_or_default();
+            if get("response_type") != "code" || get("client_id") != CLIENT_ID || get("code_challenge_method") != "S256" {
+                return error(400, "invalid_request");
+            }
+            if get("resource") != format!("{}/mcp", oauth.mcp_base) || get("code_challenge").is_empty() || get("state").is_empty() {
+                return error(400, "invalid_request");
+            }
+            let user = query.get("user").cloned().unwrap_or_else(|| "user".into());
+            let code = random_token("code_");
+            oauth.codes.lock().expect("codes lock").insert(code.clone(), (get("code_challenge"), get("redirect_uri"), user));
+            let mut location = reqwest::Url::parse(&get("redirect_uri")).expect("redirect_uri");
+            location.query_pairs_mut().append_pair("code", &code).append_pair("state", &get("state"));
+            Response::builder().status(302).header("location", location.to_string()).body(body(String::new())).expect("response")
+        }
+        "/token" => {
+            let bytes = request.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            let form = pairs(&String::from_utf8_lossy(&bytes));
+            let get = |k: &str| form.get(k).cloned().unwrap_or_default();
+            if get("grant_type") != "authorization_code" || get("client_id") != CLIENT_ID {
+                return error(400, "invalid_request");
+            }
+            let Some((challenge, redirect_uri, user)) = oauth.codes.lock().expect("codes lock").remove(&get("code")) else {
+                return error(400, "invalid_grant");
+            };
+            let computed = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .encode(ring::digest::digest(&ring::digest::SHA256, get("code_verifier").as_bytes()));
+            if computed != challenge || redirect_uri != get("redirect_uri") {
+                return error(400, "invalid_grant");
+            }
+            let ttl = *oauth.ttl.lock().expect("ttl lock");
+            let token = random_token("tok_");
+            let expiry = std::time::Instant::now() + std::time::Duration::from_secs(ttl);
+            oauth.tokens.lock().expect("tokens lock").insert(token.clone(), (user, expiry));
+            json_response(200, &json!({"access_token": token, "token_type": "Bearer", "expires_in": ttl, "scope": "tools"}))
+        }
+        "/admin/ttl" => {
+            *oauth.ttl.lock().expect("ttl lock") = query.get("secs").and_then(|s| s.parse().ok()).unwrap_or(3600);
+            json_response(200, &json!({"ok": true}))
+        }
+        "/admin/revoke" => {
+            oauth.tokens.lock().expect("tokens lock").clear();
+            json_response(200, &json!({"ok": true}))
+        }
+        "/admin/tokens" => {
+            let now = std::time::Instant::now();
+            let list: Vec<Value> =
+                oauth.tokens.lock().expect("tokens lock").values().map(|(user, expiry)| json!({"user": user, "live": *expiry > now})).collect();
+            json_response(200, &Value::Array(list))
+        }
+        _ => error(404, "not_found"),
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let calls: Calls = Arc::default();
     if args.stdio {
-        let server = TestServer { calls }.serve(rmcp::transport::stdio()).await.context("serving stdio")?;
+        let server = TestServer { calls, oauth: None }.serve(rmcp::transport::stdio()).await.context("serving stdio")?;
         server.waiting().await.context("stdio server")?;
         return Ok(());
     }
@@ -176,22 +323,89 @@ async fn main() -> anyhow::Result<()> {
     };
     let listen = args.listen.unwrap_or_else(|| "127.0.0.1:0".into());
     let listener = tokio::net::TcpListener::bind(&listen).await.with_context(|| format!("binding {listen}"))?;
+    let oauth = if args.oauth {
+        let as_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.context("binding the authorization server")?;
+        let oauth = Arc::new(OAuth {
+            mcp_base: format!("http://{}", listener.local_addr()?),
+            as_base: format!("http://{}", as_listener.local_addr()?),
+            ttl: Mutex::new(3600),
+            ..OAuth::default()
+        });
+        let served = oauth.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = as_listener.accept().await else { continue };
+                let oauth = served.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                        let oauth = oauth.clone();
+                        async move { Ok::<_, std::convert::Infallible>(authorization_server(&oauth, request).await) }
+                    });
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
+                });
+            }
+        });
+        Some(oauth)
+    } else {
+        None
+    };
     let factory_calls = calls.clone();
+    let factory_oauth = oauth.clone();
     let mcp: Arc<StreamableHttpService<TestServer, LocalSessionManager>> = Arc::new(StreamableHttpService::new(
-        move || Ok(TestServer { calls: factory_calls.clone() }),
+        move || Ok(TestServer { calls: factory_calls.clone(), oauth: factory_oauth.clone() }),
         Default::default(),
         StreamableHttpServerConfig::default(),
     ));
     println!("MCP_TEST_URL=http://{}", listener.local_addr()?);
+    if let Some(oauth) = &oauth {
+        println!("OAUTH_AS_URL={}", oauth.as_base);
+    }
     use std::io::Write;
     std::io::stdout().flush()?;
     loop {
         let (stream, _) = listener.accept().await?;
-        let (mcp, calls) = (mcp.clone(), calls.clone());
+        let (mcp, calls, oauth) = (mcp.clone(), calls.clone(), oauth.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |request: Request<Incoming>| {
-                let (mcp, calls) = (mcp.clone(), calls.clone());
+                let (mcp, calls, oauth) = (mcp.clone(), calls.clone(), oauth.clone());
                 async move {
+                    if let Some(oauth) = &oauth {
+                        match request.uri().path() {
+                            "/.well-known/oauth-protected-resource" | "/.well-known/oauth-protected-resource/mcp" => {
+                                let metadata = json!({"resource": format!("{}/mcp", oauth.mcp_base),
+                                                      "authorization_servers": [oauth.as_base], "scopes_supported": ["tools"]});
+                                return Ok(json_response(200, &metadata));
+                            }
+                            "/denied" => return Ok(json_response(200, &Value::Array(oauth.denied.lock().expect("denied lock").clone()))),
+                            "/mcp" if request.method() == hyper::Method::POST => {
+                                let (parts, incoming) = request.into_parts();
+                                let bytes = incoming.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                                let message: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                                if message["method"] == "tools/call" && oauth.user(&parts.headers).is_none() {
+                                    oauth.denied.lock().expect("denied lock").push(json!({
+                                        "tool": message["params"]["name"],
+                                        "idempotencyKey": message["params"]["_meta"]["idempotencyKey"],
+                                        "hadToken": parts.headers.contains_key("authorization"),
+                                    }));
+                                    let challenge = format!(
+                                        "Bearer error=\"invalid_token\", resource_metadata=\"{}/.well-known/oauth-protected-resource/mcp\"",
+                                        oauth.mcp_base
+                                    );
+                                    let response = Response::builder()
+                                        .status(401)
+                                        .header("www-authenticate", challenge)
+                                        .header("content-type", "application/json")
+                                        .body(body(json!({"error": "invalid_token"}).to_string()))
+                                        .expect("response");
+                                    return Ok(response);
+                                }
+                                let request = Request::from_parts(parts, Full::new(bytes));
+                                return Ok::<_, std::convert::Infallible>(mcp.handle(request).await);
+                            }
+                            _ => {}
+                        }
+                    }
                     let response = match request.uri().path() {
                         path if path.starts_with("/moved") => Response::builder()
                             .status(307)

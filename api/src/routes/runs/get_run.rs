@@ -10,7 +10,10 @@ use crate::extract::Authenticated;
 
 /// The run (with `error: {code, message}` when failed or blocked) and its `steps` in order.
 /// A `blocked` run also has `blocker: {code: "operation_uncertain", message, operations}` (its
-/// uncertain operations); a `waiting_approval` run has `approvals` (its pending approvals).
+/// uncertain operations); a `waiting_approval` run has `approvals` (its pending approvals); a
+/// run that asked for an MCP sign-in has `authorizations` (all of them, oldest first: `{id,
+/// server, toolCallId, status, url (while pending), ...}`), and a `waiting_authorization` run
+/// `authorization` (the pending one, with its sign-in `url`).
 /// For the run inspector and honest liveness (issue 11) it also has `liveness` (`{state: ok |
 /// unclaimed | lease_stale | lease_expired, sinceMs?, expiresInMs?, serverTime}`, computed with
 /// the database clock), `toolCalls` (the last 300 calls with timings, result preview, ledger and
@@ -52,6 +55,15 @@ pub async fn view(state: &AppState, principal: Uuid, run_id: Uuid) -> Result<ser
         let pending: Vec<_> =
             approvals::for_run(&mut conn, run.id).await?.into_iter().filter(|a| a.status == approvals::status::PENDING).collect();
         body["approvals"] = serde_json::to_value(pending).unwrap_or_default();
+    }
+    let authorizations = agentloop_shared::mcp_auth::for_run(&mut conn, run.id).await?;
+    if !authorizations.is_empty() {
+        if run.status == runs::status::WAITING_AUTHORIZATION
+            && let Some(pending) = authorizations.iter().rev().find(|a| a["status"] == "pending")
+        {
+            body["authorization"] = pending.clone();
+        }
+        body["authorizations"] = serde_json::Value::Array(authorizations);
     }
     Ok(body)
 }
