@@ -6,8 +6,8 @@ import { $, $$, h, icon, sleep, fmt, shortTime, fullTime, duration, dayGroup, te
 import { api, auth, download, resume, signIn, signOut, loopbackAvailable, dbListeners } from './api.js';
 import { setMarkdown, highlight } from './markdown.js';
 
-const ACTIVE = ['pending', 'queued', 'running', 'waiting_approval', 'blocked'];
-const RANK = {running: 0, waiting_approval: 0, blocked: 0, queued: 1, pending: 2};
+const ACTIVE = ['pending', 'queued', 'running', 'waiting_approval', 'waiting_authorization', 'blocked'];
+const RANK = {running: 0, waiting_approval: 0, waiting_authorization: 0, blocked: 0, queued: 1, pending: 2};
 const HEARTBEAT_MS = 15000;
 const RUN_POLL_MS = 2000;
 const READY_POLL_MS = 4000;
@@ -821,6 +821,7 @@ function agentRunText(V, r) {
     case 'queued': return cancelling + 'Waiting for a worker' + (r.attempts ? ' (attempt ' + (r.attempts + 1) + ')' : '');
     case 'running': return cancelling + 'Working · step ' + ((r.stepsUsed || 0) + 1) + ctx + extra;
     case 'waiting_approval': return cancelling + 'Waiting for your approval' + ctx;
+    case 'waiting_authorization': return cancelling + 'Waiting for you to sign in to a tool server';
     case 'blocked': return cancelling + 'Blocked' + (r.error ? ': ' + r.error.message : '');
     case 'completed': return 'Done · ' + (r.stepsUsed || 0) + ' step' + (r.stepsUsed === 1 ? '' : 's') +
       ' · ' + fmt(r.promptTokens) + ' in / ' + fmt(r.completionTokens) + ' out tokens' + extra;
@@ -1204,7 +1205,7 @@ function renderInspector() {
 }
 
 // ---- approvals and blocked runs ------------------------------------------------------------------
-const gateKey = r => r && (r.status === 'waiting_approval' || r.status === 'blocked') ? r.id + ':' + r.status + ':' + (r.updatedAt || '') : '';
+const gateKey = r => r && (r.status === 'waiting_approval' || r.status === 'waiting_authorization' || r.status === 'blocked') ? r.id + ':' + r.status + ':' + (r.updatedAt || '') : '';
 
 function renderGate() {
   const V = S.V, r = V && shownRun(V), key = gateKey(r);
@@ -1219,6 +1220,10 @@ async function loadGate(V, r) {
     if (r.status === 'waiting_approval') {
       const d = await api('GET', '/api/threads/' + V.id + '/approvals?status=pending', undefined, V.ctl.signal);
       gate = {kind: 'approvals', run: r, list: (d.approvals || []).filter(a => a.runId === r.id).reverse()};
+    } else if (r.status === 'waiting_authorization') {
+      // MCP sign-in: the run's pending authorization carries the sign-in URL.
+      const d = await api('GET', '/api/runs/' + r.id, undefined, V.ctl.signal);
+      gate = {kind: 'authorization', run: d, list: d.authorization && d.authorization.url ? [d.authorization] : []};
     } else {
       const d = await api('GET', '/api/runs/' + r.id + '/operations', undefined, V.ctl.signal);
       gate = {kind: 'operations', run: d.run || r, list: (d.operations || []).filter(o => o.status === 'uncertain')};
@@ -1234,7 +1239,11 @@ function drawGate(V) {
   if (!g || !g.list.length) { box.hidden = true; box.replaceChildren(); return; }
   box.hidden = false;
   V.drafts = V.drafts || {};
-  if (g.kind === 'approvals') {
+  if (g.kind === 'authorization') {
+    const a = g.list[0];
+    box.replaceChildren(h('div', {class: 'gate-title', text: 'The tool server “' + a.server + '” needs you to sign in before the agent can go on.'}),
+      h('a', {class: 'btn', 'data-testid': 'signin-link', href: a.url, target: '_blank', rel: 'noopener noreferrer', text: 'Sign in to ' + a.server}));
+  } else if (g.kind === 'approvals') {
     box.replaceChildren(h('div', {class: 'gate-title', text: 'The agent wants to run ' + (g.list.length === 1 ? 'a tool' : g.list.length + ' tools') + ' — approve?'}), ...g.list.map(a => approvalCard(V, a)));
   } else {
     box.replaceChildren(h('div', {class: 'gate-title', 'data-testid': 'blocker',
