@@ -362,6 +362,13 @@ pub struct RunDetail {
     pub authorizations: Option<Vec<AuthorizationView>>,
 }
 
+/// 200 of `GET /api/oauth/callback`: the completed sign-in and the requeued run.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SignedIn {
+    pub authorization: AuthorizationView,
+    pub run: RunView,
+}
+
 /// MCP sign-in statuses: `pending` (the link can be used), `exchanging` (the callback is
 /// redeeming the code), `completed` (token stored), `claimed` (the run's retry used it),
 /// `failed`, `cancelled` (the run ended first).

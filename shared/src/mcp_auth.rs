@@ -537,7 +537,7 @@ mod tests {
     #[test]
     fn pkce_s256_matches_rfc_7636() {
         // RFC 7636 appendix B.
-        assert_eq!(pkce_challenge("dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk"), "E9Melhoa2OwvFrEKXJ6XduwJTcvKn7GMFeP2lAeI3dU");
+        assert_eq!(pkce_challenge("dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk"), "E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM");
     }
 
     #[test]

@@ -35,7 +35,7 @@ pub struct CallbackQuery {
 #[utoipa::path(
     get, path = "/api/oauth/callback", tag = "runs", operation_id = "oauth_callback",
     params(CallbackQuery),
-    responses((status = 200, description = "Signed in: `{authorization, run}`", body = Object),
+    responses((status = 200, description = "Signed in: the completed authorization and the requeued run", body = crate::views::SignedIn),
               (status = 400, description = "`code`/`state` missing, or the user refused", body = crate::views::ErrorBody),
               (status = 404, description = "No pending sign-in of the caller has this state", body = crate::views::ErrorBody),
               (status = 409, description = "The state was used already", body = crate::views::ErrorBody),
@@ -44,9 +44,6 @@ pub struct CallbackQuery {
               (status = 503, description = "Sign-in is not configured", body = crate::views::ErrorBody))
 )]
 pub async fn oauth_callback(state: web::Data<AppState>, who: Authenticated, query: web::Query<CallbackQuery>) -> Result<HttpResponse, ApiError> {
-    let Some(key) = state.oauth.key.as_ref() else {
-        return Err(ApiError::Unavailable { code: "signin_unavailable", message: "MCP sign-in is not configured (OAUTH_TOKENS_KEY)".into() });
-    };
     let query = query.into_inner();
     let Some(signin_state) = query.state.as_deref().filter(|s| !s.is_empty() && s.len() <= 512) else {
         return Err(ApiError::bad_request("missing_field", "the callback needs `state`"));
@@ -54,6 +51,9 @@ pub async fn oauth_callback(state: web::Data<AppState>, who: Authenticated, quer
     if query.error.is_none() && query.code.as_deref().is_none_or(str::is_empty) {
         return Err(ApiError::bad_request("missing_field", "the callback needs `code` (or `error`)"));
     }
+    let Some(key) = state.oauth.key.as_ref() else {
+        return Err(ApiError::Unavailable { code: "signin_unavailable", message: "MCP sign-in is not configured (OAUTH_TOKENS_KEY)".into() });
+    };
     let taken = mcp_auth::take_state(&state.store, who.0.id, signin_state).await?;
     let outcome = match (&query.error, &query.code) {
         (Some(error), _) => Err((StatusCode::BAD_REQUEST, "authorization_denied", format!("the authorization server answered `{}`", bounded(error)))),
