@@ -3,6 +3,7 @@
 //! It never calls a model, runs a tool or holds a run.
 
 pub mod budget;
+pub mod connection;
 pub mod error;
 pub mod extract;
 pub mod hub;
@@ -392,6 +393,8 @@ impl Application {
         .shutdown_timeout(5)
         // SSE events are small writes: without TCP_NODELAY each waits ~35 ms for Nagle/delayed ACK.
         .tcp_nodelay(true)
+        // Waiting requests notice a departed client by its socket (connection.rs).
+        .on_connect(connection::on_connect)
         // Signals are handled by `run_until_stopped` (drain first, then stop).
         .disable_signals()
         .listen(listener)?;

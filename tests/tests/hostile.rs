@@ -240,8 +240,9 @@ async fn hostile_limits_answer_429_with_retry_after_and_are_counted() {
             ("AUTH_FAILURES_PER_MINUTE", "3"),
             ("API_RATE_PER_SECOND", "5"),
             ("API_RATE_BURST", "40"),
-            // A client that left is noticed when a write to it fails: at the next heartbeat.
-            ("SSE_HEARTBEAT_MS", "500"),
+            // Far apart: a client that left must be noticed by its socket, not by a failed
+            // heartbeat write.
+            ("SSE_HEARTBEAT_MS", "60000"),
         ]),
         ..Default::default()
     };
@@ -279,9 +280,18 @@ async fn hostile_limits_answer_429_with_retry_after_and_are_counted() {
     drop(first);
     let freed = Instant::now();
     while c.get(&format!("/api/threads/{}/updates?timeoutMs=0", threads[3])).await.unwrap().status != 200 {
-        assert!(freed.elapsed() < Duration::from_secs(10), "the slot is free again after the client left");
+        assert!(freed.elapsed() < Duration::from_secs(3), "the SSE slot is free again soon after the client left");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // A long-poll client that gives up: its slot is free long before its 30 s wait would end.
+    let poll = http.get(format!("{}/api/threads/{}/updates?timeoutMs=30000", stack.api_url, threads[3])).bearer_auth(&stack.key).send();
+    assert!(tokio::time::timeout(Duration::from_millis(500), poll).await.is_err(), "the long-poll waits");
+    let freed = Instant::now();
+    while c.get(&format!("/api/threads/{}/updates?timeoutMs=0", threads[3])).await.unwrap().status != 200 {
+        assert!(freed.elapsed() < Duration::from_secs(3), "the long-poll slot is free again soon after the client left");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("long-poll slot freed {:?} after its client left", freed.elapsed());
 
     // Failed authentications per address: the budget, then 429 even for a good key.
     let bad = Client { key: Some("al_wrong".into()), ..c.clone() };

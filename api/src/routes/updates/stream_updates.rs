@@ -84,7 +84,8 @@ pub async fn stream_updates(
     });
     let _ = tx.try_send(data("connected", &connected, None));
     let _ = tx.try_send(data("thread", &snapshot, None));
-    tokio::spawn(pump(state.clone(), thread.id, cursor, wake, tx, guard));
+    let peer = crate::connection::PeerSocket::of(&req);
+    tokio::spawn(pump(state.clone(), thread.id, cursor, wake, tx, guard, peer));
     Ok(sse::Sse::from_infallible_receiver(rx)
         .with_retry_duration(Duration::from_secs(2))
         .customize()
@@ -108,6 +109,7 @@ async fn pump(
     mut wake: tokio::sync::watch::Receiver<u64>,
     tx: mpsc::Sender<sse::Event>,
     guard: crate::limits::LiveGuard,
+    peer: Option<crate::connection::PeerSocket>,
 ) {
     let heartbeat = state.sse_heartbeat;
     let _client = LiveClient::new();
@@ -120,6 +122,9 @@ async fn pump(
         }
     };
     tokio::pin!(until_end);
+    // A departed client ends its pump within a check interval, not two heartbeats later.
+    let gone = crate::connection::client_gone(peer);
+    tokio::pin!(gone);
     loop {
         if revoked.is_cancelled() {
             let error = crate::error::envelope("credentials_revoked", "the API key or session of this stream was revoked or expired");
@@ -162,6 +167,7 @@ async fn pump(
                 }
             }
             _ = tx.closed() => return,
+            () = &mut gone => return,
             _ = revoked.cancelled() => {}
             _ = &mut until_end => return,
         }
