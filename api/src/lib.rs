@@ -301,6 +301,8 @@ impl Application {
             agentloop_shared::store::Timing { call_timeout: Duration::from_secs(10), retry_for: Duration::from_secs(5) },
             &limit_options,
         )?;
+        db::reap_idle(&pool, config.db.db_pool_idle_timeout);
+        store.reap_idle(config.db.db_pool_idle_timeout);
         let catalog = match config.models.catalog() {
             Ok(catalog) => catalog,
             Err(error) => {

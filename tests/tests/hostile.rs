@@ -586,3 +586,32 @@ async fn hostile_body_budget_wait_ends_in_503_server_busy_and_frees_with_the_bod
     let metrics = reqwest::get(format!("{}/metrics", stack.api_url)).await.unwrap().text().await.unwrap();
     assert!(metrics.contains("agentloop_limit_refusals_total{limit=\"body_budget\"}"), "{metrics}");
 }
+
+/// `agentloop_slim_event` (live reads slim payloads in PostgreSQL, issue 10): small payloads are
+/// untouched; a large one keeps its small members, drops large non-string members and cuts large
+/// strings at a character boundary within the member bound, noting the omitted bytes.
+#[tokio::test]
+async fn hostile_journal_payloads_are_slimmed_in_postgresql() {
+    let db = agentloop_tests::TestDb::create().await.unwrap();
+    let c = db.client().await.unwrap();
+    let slim = |payload: Value, max: i32| {
+        let c = &c;
+        async move { c.query_one("SELECT agentloop_slim_event($1, $2)", &[&payload, &max]).await.unwrap().get::<_, Value>(0) }
+    };
+    let small = json!({"a": 1, "b": "x"});
+    assert_eq!(slim(small.clone(), 1024).await, small);
+    // Member bound: max(1024 / 8, 256) = 256 bytes of JSON text.
+    let text = "é".repeat(1000); // 2,000 bytes
+    let out = slim(json!({"id": 7, "content": text, "row": {"blob": "m".repeat(5000)}}), 1024).await;
+    assert_eq!(out["id"], 7);
+    assert_eq!(out["truncated"], true);
+    assert!(out.get("row").is_none(), "{out}");
+    let mut omitted: Vec<String> = serde_json::from_value(out["omitted"].clone()).unwrap();
+    omitted.sort();
+    assert_eq!(omitted, ["content", "row"]);
+    let content = out["content"].as_str().unwrap();
+    let (kept, note) = content.split_once('\n').unwrap();
+    assert!(kept.len() <= 256 && kept.chars().all(|ch| ch == 'é') && !kept.is_empty(), "{kept}");
+    assert_eq!(note, format!("…[{} bytes omitted]", 2000 - kept.len()));
+    assert_eq!(slim(json!("x".repeat(5000)), 1024).await, json!({"truncated": true}));
+}

@@ -122,13 +122,22 @@ async fn pump(
         }
     };
     tokio::pin!(until_end);
-    // A departed client ends its pump within a check interval, not two heartbeats later.
+    // A departed client ends its pump within a check interval, not two heartbeats later — also
+    // while the pump waits for room in a full queue (a client that stopped reading, then left).
     let gone = crate::connection::client_gone(peer);
     tokio::pin!(gone);
+    macro_rules! send {
+        ($event:expr) => {
+            tokio::select! {
+                sent = tx.send($event) => sent.is_ok(),
+                () = &mut gone => false,
+            }
+        };
+    }
     loop {
         if revoked.is_cancelled() {
             let error = crate::error::envelope("credentials_revoked", "the API key or session of this stream was revoked or expired");
-            let _ = tx.send(data("error", &error, None)).await;
+            let _ = send!(data("error", &error, None));
             return;
         }
         wake.borrow_and_update();
@@ -138,7 +147,7 @@ async fn pump(
             Ok(Batch::Events(events)) => {
                 sent_any = events.len() as i64 == super::BATCH;
                 for event in events {
-                    if tx.send(data(&event.kind, &event.payload, Some(event.sequence))).await.is_err() {
+                    if !send!(data(&event.kind, &event.payload, Some(event.sequence))) {
                         return;
                     }
                     cursor = event.sequence;
@@ -146,7 +155,7 @@ async fn pump(
             }
             Ok(Batch::Reset { sequence }) => {
                 cursor = sequence;
-                if tx.send(data("reset", &json!({"sequence": sequence}), Some(sequence))).await.is_err() {
+                if !send!(data("reset", &json!({"sequence": sequence}), Some(sequence))) {
                     return;
                 }
             }
@@ -162,7 +171,7 @@ async fn pump(
         tokio::select! {
             changed = wake.changed() => if changed.is_err() { return },
             _ = tokio::time::sleep(heartbeat) => {
-                if tx.send(data("heartbeat", &json!({"sequence": cursor}), None)).await.is_err() {
+                if !send!(data("heartbeat", &json!({"sequence": cursor}), None)) {
                     return;
                 }
             }
