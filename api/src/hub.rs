@@ -392,7 +392,7 @@ impl Hub {
         // stands for may be missing from what is read, so it must not count as seen.
         let ticket = self.begin_read();
         let mut conn = pool.get().await.map_err(|e| e.to_string())?;
-        let current = agentloop_shared::threads::get(&mut conn, thread_id).await.map_err(|e| e.to_string())?.last_event_sequence;
+        let current = agentloop_shared::threads::event_position(&mut conn, thread_id).await.map_err(|e| e.to_string())?;
         let mut batch = next_batch(&mut conn, thread_id, cursor, current, self.bounds.event_bytes).await.map_err(|e| e.to_string())?;
         drop(conn);
         feed.known.fetch_max(current, Ordering::AcqRel);
