@@ -92,8 +92,8 @@ fn json_len(value: &serde_json::Value) -> usize {
 /// so the client knows what to re-read (`GET /api/threads/{id}`, a messages page). A payload
 /// that is not an object becomes `{truncated: true}`.
 pub fn slim(payload: &mut serde_json::Value, max: usize) {
-    if json_len(payload) <= max {
-        return;
+    if payload.get("truncated") == Some(&serde_json::Value::Bool(true)) || json_len(payload) <= max {
+        return; // already slimmed (in PostgreSQL by `read_journal`), or small
     }
     let member_max = (max / 8).max(256);
     let Some(members) = payload.as_object_mut() else {
@@ -124,14 +124,16 @@ pub fn slim(payload: &mut serde_json::Value, max: usize) {
 }
 
 /// Reads at most `limit` events of `thread_id` after `after`, in order, whose payloads add up
-/// to at most `max_bytes` (always at least one): the payload size is summed in PostgreSQL, so
-/// rows beyond the budget never reach this process.
+/// to at most `max_bytes` (always at least one), each payload slimmed in PostgreSQL to about
+/// `event_max` bytes (`agentloop_slim_event`, the rule of [`slim`]): the sizes are summed
+/// there too, so neither large payloads nor rows beyond the budget reach this process.
 pub async fn read_journal(
     conn: &mut diesel_async::AsyncPgConnection,
     thread_id: Uuid,
     after: i64,
     limit: i64,
     max_bytes: usize,
+    event_max: usize,
 ) -> diesel::QueryResult<Vec<ThreadEvent>> {
     use diesel::sql_types::{BigInt, Jsonb, Text, Timestamptz};
     use diesel_async::RunQueryDsl;
@@ -151,8 +153,9 @@ pub async fn read_journal(
              SELECT sequence, kind, payload, created_at, size,
                     sum(size) OVER (ORDER BY sequence) - size AS before
                FROM (SELECT sequence, kind, payload, created_at, octet_length(payload::text) AS size
-                       FROM thread_events WHERE thread_id = $1 AND sequence > $2
-                      ORDER BY sequence LIMIT $3) e) w
+                       FROM (SELECT sequence, kind, agentloop_slim_event(payload, $5) AS payload, created_at
+                               FROM thread_events WHERE thread_id = $1 AND sequence > $2
+                              ORDER BY sequence LIMIT $3) r) e) w
           WHERE before = 0 OR before + size <= $4
           ORDER BY sequence",
     )
@@ -160,6 +163,7 @@ pub async fn read_journal(
     .bind::<BigInt, _>(after)
     .bind::<BigInt, _>(limit)
     .bind::<BigInt, _>(max_bytes as i64)
+    .bind::<diesel::sql_types::Integer, _>(i32::try_from(event_max).unwrap_or(i32::MAX))
     .load(conn)
     .await?;
     // `before + size <= max` keeps a prefix: sizes are positive, so once a row exceeds the
@@ -388,8 +392,8 @@ impl Hub {
         // stands for may be missing from what is read, so it must not count as seen.
         let ticket = self.begin_read();
         let mut conn = pool.get().await.map_err(|e| e.to_string())?;
-        let current = agentloop_shared::threads::get(&mut conn, thread_id).await.map_err(|e| e.to_string())?.last_event_sequence;
-        let mut batch = next_batch(&mut conn, thread_id, cursor, current).await.map_err(|e| e.to_string())?;
+        let current = agentloop_shared::threads::event_position(&mut conn, thread_id).await.map_err(|e| e.to_string())?;
+        let mut batch = next_batch(&mut conn, thread_id, cursor, current, self.bounds.event_bytes).await.map_err(|e| e.to_string())?;
         drop(conn);
         feed.known.fetch_max(current, Ordering::AcqRel);
         self.finish_read(&feed, ticket);

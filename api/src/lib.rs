@@ -3,6 +3,7 @@
 //! It never calls a model, runs a tool or holds a run.
 
 pub mod budget;
+pub mod connection;
 pub mod error;
 pub mod extract;
 pub mod hub;
@@ -306,6 +307,8 @@ impl Application {
             agentloop_shared::store::Timing { call_timeout: Duration::from_secs(10), retry_for: Duration::from_secs(5) },
             &limit_options,
         )?;
+        db::reap_idle(&pool, config.db.db_pool_idle_timeout);
+        store.reap_idle(config.db.db_pool_idle_timeout);
         let catalog = match config.models.catalog() {
             Ok(catalog) => catalog,
             Err(error) => {
@@ -402,6 +405,8 @@ impl Application {
         .shutdown_timeout(5)
         // SSE events are small writes: without TCP_NODELAY each waits ~35 ms for Nagle/delayed ACK.
         .tcp_nodelay(true)
+        // Waiting requests notice a departed client by its socket (connection.rs).
+        .on_connect(connection::on_connect)
         // Signals are handled by `run_until_stopped` (drain first, then stop).
         .disable_signals()
         .listen(listener)?;

@@ -32,7 +32,8 @@ enum Command {
 /// mmap threshold after the first such block is freed, so later ones come from per-thread
 /// arenas that are never trimmed: RSS stayed at its peak after clients left (bench-hostile:
 /// 70 → 297 → 294 MiB). jemalloc's background threads purge freed pages after
-/// `dirty_decay_ms` (10 s) whatever the process does next.
+/// `dirty_decay_ms` whatever the process does next: 1 s, compiled in from `.cargo/config.toml`
+/// (`JEMALLOC_SYS_WITH_MALLOC_CONF`; `_RJEM_MALLOC_CONF` overrides it at run time).
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

@@ -14,6 +14,12 @@ pub struct DbArgs {
     #[arg(long, env = "DB_POOL_SIZE", default_value_t = 8)]
     pub db_pool_size: usize,
 
+    /// A pooled connection unused this long is closed (ms; 0 keeps them). A connection that
+    /// once carried a large row keeps buffers that size (the PostgreSQL client never shrinks
+    /// them), so an idle pool gives that memory back by reconnecting later (`db::reap_idle`).
+    #[arg(long, env = "DB_POOL_IDLE_TIMEOUT_MS", default_value = "30000", value_parser = parse_millis)]
+    pub db_pool_idle_timeout: Duration,
+
     /// Apply pending migrations at start-up (under pg_advisory_lock) before serving.
     #[arg(long, env = "MIGRATE_ON_START", default_value_t = false, action = clap::ArgAction::Set)]
     pub migrate_on_start: bool,

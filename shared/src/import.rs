@@ -58,7 +58,7 @@ pub struct Limits {
 #[error("{param}: {message}")]
 pub struct ImportError {
     /// Stable code: `invalid_import`, `unsupported_format`, `too_many_messages`,
-    /// `message_too_large`, `duplicate_tool_call_id`.
+    /// `message_too_large`, `duplicate_tool_call_id`, `invalid_title`.
     pub code: &'static str,
     pub param: String,
     pub message: String,
@@ -105,11 +105,11 @@ pub struct Imported {
 }
 
 impl Imported {
-    /// The title to store: the document's (cut to 500 characters), else the first user text
-    /// (80 characters), else `Imported conversation`.
+    /// The title to store: the document's (at most 500 characters, checked by [`parse`]), else
+    /// the first user text (80 characters), else `Imported conversation`.
     pub fn title(&self) -> String {
         if let Some(t) = self.title.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
-            return t.chars().take(MAX_TITLE_CHARS).collect();
+            return t.to_owned();
         }
         self.messages
             .iter()
@@ -147,7 +147,18 @@ impl Imported {
 }
 
 /// Recognises and normalises a document (see the module docs).
+///
+/// Errors: [`ImportError`] with the codes listed there, and `invalid_title` for a title over
+/// 500 characters (the thread API's bound: refused, never cut).
 pub fn parse(doc: &Value, limits: &Limits) -> Result<Imported, ImportError> {
+    let imported = parse_document(doc, limits)?;
+    if imported.title.as_deref().is_some_and(|t| t.trim().chars().count() > MAX_TITLE_CHARS) {
+        return Err(err("invalid_title", "title", format!("title is limited to {MAX_TITLE_CHARS} characters")));
+    }
+    Ok(imported)
+}
+
+fn parse_document(doc: &Value, limits: &Limits) -> Result<Imported, ImportError> {
     match doc {
         Value::Array(items) => from_openai(None, items, limits),
         Value::Object(obj) => {
@@ -407,6 +418,10 @@ pub fn messages(items: &[Value], param: &str, limits: &Limits) -> Result<(Vec<Im
                         };
                         let arguments = match call.pointer("/function/arguments") {
                             None | Some(Value::Null) => "{}".to_owned(),
+                            // Kept as given, even when not JSON: canonical history keeps a model's
+                            // own malformed arguments the same way (a tool refuses them when
+                            // called; the projection sends them back as text), so an export of
+                            // such a thread still round-trips.
                             Some(Value::String(s)) => s.clone(),
                             Some(v @ Value::Object(_)) => v.to_string(),
                             Some(_) => return Err(invalid(format!("{cp}.function.arguments"), "arguments must be JSON text or an object")),
@@ -490,6 +505,16 @@ mod tests {
 
     fn call(id: &str) -> Value {
         json!({"id": id, "type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+1"}}})
+    }
+
+    #[test]
+    fn a_title_over_the_bound_is_refused_not_cut() {
+        let long = "t".repeat(MAX_TITLE_CHARS + 1);
+        let e = parse(&json!({"title": long, "messages": [{"role": "user", "content": "hi"}]}), &LIMITS).unwrap_err();
+        assert_eq!((e.code, e.param.as_str()), ("invalid_title", "title"));
+        let fits = "t".repeat(MAX_TITLE_CHARS);
+        let ok = parse(&json!({"title": fits.clone(), "messages": [{"role": "user", "content": "hi"}]}), &LIMITS).unwrap();
+        assert_eq!(ok.title(), fits);
     }
 
     #[test]

@@ -45,6 +45,25 @@ pub async fn get_owned(conn: &mut AsyncPgConnection, id: Uuid, owner: Uuid) -> Q
         .optional()
 }
 
+/// The journal position (`last_event_sequence`) of thread `id` if it exists, is not deleted and
+/// belongs to `owner`: one column, for live reads that must not load the row (its `metadata`
+/// may be MiB).
+pub async fn event_position_owned(conn: &mut AsyncPgConnection, id: Uuid, owner: Uuid) -> QueryResult<Option<i64>> {
+    threads::table
+        .filter(threads::id.eq(id))
+        .filter(threads::owner_id.eq(owner))
+        .filter(threads::deleted_at.is_null())
+        .select(threads::last_event_sequence)
+        .first(conn)
+        .await
+        .optional()
+}
+
+/// The journal position of thread `id`, whoever owns it (see [`event_position_owned`]).
+pub async fn event_position(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResult<i64> {
+    threads::table.find(id).select(threads::last_event_sequence).first(conn).await
+}
+
 /// Loads a thread by id regardless of owner (worker side).
 pub async fn get(conn: &mut AsyncPgConnection, id: Uuid) -> QueryResult<Thread> {
     threads::table.find(id).select(Thread::as_select()).first(conn).await

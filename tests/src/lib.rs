@@ -64,7 +64,10 @@ pub struct TestDb {
     admin: String,
 }
 
-const TEMPLATE: &str = "agentloop_test_template";
+/// Prefix of the migrated template databases: one per migrations fingerprint
+/// (`agentloop_test_template_<fingerprint>`), so checkouts with different migrations on one
+/// server (a branch beside main) do not rebuild each other's template on every test.
+const TEMPLATE_PREFIX: &str = "agentloop_test_template";
 
 impl TestDb {
     /// Creates `t_<uuid>` from the migrated template (creating the template first if needed,
@@ -80,28 +83,30 @@ impl TestDb {
         tokio::spawn(conn);
         admin.execute("SELECT pg_advisory_lock(727272)", &[]).await?;
         let fingerprint = migrations_fingerprint();
+        let template = format!("{TEMPLATE_PREFIX}_{}", &fingerprint[..fingerprint.len().min(16)]);
+        let template = template.as_str();
         let exists = admin
             .query_opt(
                 "SELECT 1 FROM pg_database d JOIN pg_shdescription s ON s.objoid = d.oid WHERE d.datname = $1 AND s.description = $2",
-                &[&TEMPLATE, &fingerprint],
+                &[&template, &fingerprint],
             )
             .await?
             .is_some();
         if !exists {
-            admin.batch_execute(&format!("DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")).await?;
-            admin.batch_execute(&format!("CREATE DATABASE {TEMPLATE}")).await?;
+            admin.batch_execute(&format!("DROP DATABASE IF EXISTS {template} WITH (FORCE)")).await?;
+            admin.batch_execute(&format!("CREATE DATABASE {template}")).await?;
             let status = Command::new(bin("agentloop-worker"))
                 .arg("migrate")
-                .env("DATABASE_URL", url_on(&admin_url, TEMPLATE))
+                .env("DATABASE_URL", url_on(&admin_url, template))
                 .env("RUST_LOG", "warn")
                 .status()?;
             if !status.success() {
                 bail!("migrating the template failed");
             }
-            admin.batch_execute(&format!("COMMENT ON DATABASE {TEMPLATE} IS '{fingerprint}'")).await?;
+            admin.batch_execute(&format!("COMMENT ON DATABASE {template} IS '{fingerprint}'")).await?;
         }
         let name = format!("t_{}", uuid::Uuid::new_v4().simple());
-        let created = admin.batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {TEMPLATE}")).await;
+        let created = admin.batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {template}")).await;
         admin.execute("SELECT pg_advisory_unlock(727272)", &[]).await?;
         created?;
         Ok(Self { url: url_on(&admin_url, &name), name, admin: admin_url })
@@ -122,7 +127,8 @@ fn migrations_fingerprint() -> String {
     let mut acc = String::new();
     for e in entries {
         if let Ok(up) = std::fs::read_to_string(e.join("up.sql")) {
-            acc.push_str(&e.display().to_string());
+            // The directory's name, not its path: checkouts of the same migrations share a template.
+            acc.push_str(&e.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
             acc.push_str(&up);
         }
     }

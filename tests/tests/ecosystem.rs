@@ -189,6 +189,25 @@ async fn openai_client_disconnect_cancels_the_run_and_deletes_the_hidden_thread(
     assert_eq!(runs, 0);
 }
 
+/// A non-streaming client that gives up while the run is still answering: actix would keep the
+/// handler waiting for the whole answer; the api notices the closed socket, cancels the run and
+/// deletes the hidden thread.
+#[tokio::test]
+async fn openai_non_streaming_client_disconnect_cancels_the_run() {
+    let stack = Stack::start("ecosystem_disconnect_plain", StackOptions::default()).await.unwrap();
+    let words: Vec<String> = (0..40).map(|i| format!("w{i}")).collect();
+    let body = json!({"model": "mock",
+                      "messages": [{"role": "user", "content": script(json!([{"text": words.join(" "), "chunkDelayMs": 250}]))}]});
+    let request = reqwest::Client::new().post(format!("{}/v1/chat/completions", stack.api_url)).bearer_auth(&stack.key).json(&body).send();
+    // The client gives up after 1.5 s of a 10 s answer.
+    assert!(tokio::time::timeout(Duration::from_millis(1500), request).await.is_err(), "answered too early");
+    let disconnected = Instant::now();
+    let took = wait_no_hidden(&stack, Duration::from_secs(6)).await;
+    assert_eq!(mock_in_flight(&stack).await, 0, "the model call was not aborted");
+    assert!(disconnected.elapsed() < Duration::from_secs(6), "cleanup took {took:?}");
+    eprintln!("non-streaming: hidden thread deleted {took:?} after the client disconnected");
+}
+
 /// The api process dies mid-stream: its request leases expire and the workers' sweep cancels the
 /// run and deletes the hidden thread.
 #[tokio::test]
@@ -322,6 +341,7 @@ async fn import_formats_idempotency_validation_and_continuing_the_thread() {
         (json!({"threads": [llmspy_thread(), llmspy_thread()]}), "invalid_import", "one at a time"),
         (json!({"format": "agentloop.thread.v1", "thread": {"metadata": {"multitask": "sometimes"}}, "messages": [{"role": "user", "content": "x"}]}), "invalid_metadata", "multitask"),
         (json!(42), "invalid_import", "JSON object"),
+        (json!({"title": "t".repeat(501), "messages": [{"role": "user", "content": "x"}]}), "invalid_title", "500 characters"),
     ] {
         let r = import(&c, doc, None).await;
         assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some(code)), "{r:?}");
@@ -514,6 +534,27 @@ mod mcp {
             assert_eq!(resp.status(), 401);
             assert_eq!(resp.headers()["www-authenticate"], "Bearer");
         }
+        // Malformed tools/call params are -32602 Invalid params (not -32601); a batch is a
+        // JSON-RPC -32600 with HTTP 400 (MCP 2025-06-18 has no batches).
+        let raw = |body: Value| {
+            reqwest::Client::new()
+                .post(format!("{}/mcp", stack.api_url))
+                .header("accept", "application/json, text/event-stream")
+                .header("authorization", format!("Bearer {}", stack.key))
+                .json(&body)
+                .send()
+        };
+        for params in [json!({"arguments": {}}), json!({"name": 7}), json!({"name": "get_run", "arguments": [1]}), json!("x")] {
+            let resp = raw(json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": params})).await.unwrap();
+            assert_eq!(resp.status(), 200, "{params}");
+            let body: Value = resp.json().await.unwrap();
+            assert_eq!((body["id"].clone(), body["error"]["code"].clone()), (json!(9), json!(-32602)), "{params}: {body}");
+        }
+        let resp = raw(json!([{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}])).await.unwrap();
+        assert_eq!(resp.status(), 400);
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["code"], -32600, "{body}");
+
         let transcript: Vec<String> = log.iter().map(Value::to_string).collect();
         std::fs::write(out_dir().join("mcp-rmcp-session.jsonl"), transcript.join("\n")).unwrap();
     }

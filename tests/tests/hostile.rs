@@ -240,8 +240,9 @@ async fn hostile_limits_answer_429_with_retry_after_and_are_counted() {
             ("AUTH_FAILURES_PER_MINUTE", "3"),
             ("API_RATE_PER_SECOND", "5"),
             ("API_RATE_BURST", "40"),
-            // A client that left is noticed when a write to it fails: at the next heartbeat.
-            ("SSE_HEARTBEAT_MS", "500"),
+            // Far apart: a client that left must be noticed by its socket, not by a failed
+            // heartbeat write.
+            ("SSE_HEARTBEAT_MS", "60000"),
         ]),
         ..Default::default()
     };
@@ -279,9 +280,18 @@ async fn hostile_limits_answer_429_with_retry_after_and_are_counted() {
     drop(first);
     let freed = Instant::now();
     while c.get(&format!("/api/threads/{}/updates?timeoutMs=0", threads[3])).await.unwrap().status != 200 {
-        assert!(freed.elapsed() < Duration::from_secs(10), "the slot is free again after the client left");
+        assert!(freed.elapsed() < Duration::from_secs(3), "the SSE slot is free again soon after the client left");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // A long-poll client that gives up: its slot is free long before its 30 s wait would end.
+    let poll = http.get(format!("{}/api/threads/{}/updates?timeoutMs=30000", stack.api_url, threads[3])).bearer_auth(&stack.key).send();
+    assert!(tokio::time::timeout(Duration::from_millis(500), poll).await.is_err(), "the long-poll waits");
+    let freed = Instant::now();
+    while c.get(&format!("/api/threads/{}/updates?timeoutMs=0", threads[3])).await.unwrap().status != 200 {
+        assert!(freed.elapsed() < Duration::from_secs(3), "the long-poll slot is free again soon after the client left");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("long-poll slot freed {:?} after its client left", freed.elapsed());
 
     // Failed authentications per address: the budget, then 429 even for a good key.
     let bad = Client { key: Some("al_wrong".into()), ..c.clone() };
@@ -575,4 +585,33 @@ async fn hostile_body_budget_wait_ends_in_503_server_busy_and_frees_with_the_bod
     assert_eq!(ok.body["metadata"]["blob"].as_str().map(str::len), Some(999_000));
     let metrics = reqwest::get(format!("{}/metrics", stack.api_url)).await.unwrap().text().await.unwrap();
     assert!(metrics.contains("agentloop_limit_refusals_total{limit=\"body_budget\"}"), "{metrics}");
+}
+
+/// `agentloop_slim_event` (live reads slim payloads in PostgreSQL, issue 10): small payloads are
+/// untouched; a large one keeps its small members, drops large non-string members and cuts large
+/// strings at a character boundary within the member bound, noting the omitted bytes.
+#[tokio::test]
+async fn hostile_journal_payloads_are_slimmed_in_postgresql() {
+    let db = agentloop_tests::TestDb::create().await.unwrap();
+    let c = db.client().await.unwrap();
+    let slim = |payload: Value, max: i32| {
+        let c = &c;
+        async move { c.query_one("SELECT agentloop_slim_event($1, $2)", &[&payload, &max]).await.unwrap().get::<_, Value>(0) }
+    };
+    let small = json!({"a": 1, "b": "x"});
+    assert_eq!(slim(small.clone(), 1024).await, small);
+    // Member bound: max(1024 / 8, 256) = 256 bytes of JSON text.
+    let text = "é".repeat(1000); // 2,000 bytes
+    let out = slim(json!({"id": 7, "content": text, "row": {"blob": "m".repeat(5000)}}), 1024).await;
+    assert_eq!(out["id"], 7);
+    assert_eq!(out["truncated"], true);
+    assert!(out.get("row").is_none(), "{out}");
+    let mut omitted: Vec<String> = serde_json::from_value(out["omitted"].clone()).unwrap();
+    omitted.sort();
+    assert_eq!(omitted, ["content", "row"]);
+    let content = out["content"].as_str().unwrap();
+    let (kept, note) = content.split_once('\n').unwrap();
+    assert!(kept.len() <= 256 && kept.chars().all(|ch| ch == 'é') && !kept.is_empty(), "{kept}");
+    assert_eq!(note, format!("…[{} bytes omitted]", 2000 - kept.len()));
+    assert_eq!(slim(json!("x".repeat(5000)), 1024).await, json!({"truncated": true}));
 }

@@ -130,7 +130,13 @@ fn has(got: &Received, sequence: i64) -> Option<Instant> {
 /// through the worker, and every client's events equal the `thread_events` rows.
 #[tokio::test]
 async fn every_client_gets_every_event_when_the_listener_reconnects_during_a_journal_read() {
-    let options = StackOptions { api_through_proxy: true, ..Default::default() };
+    // Live reads slim payloads in PostgreSQL (`agentloop_slim_event`); this test needs a read
+    // whose transfer is long enough to freeze mid-way, so the bound is above its 24 MB event.
+    let options = StackOptions {
+        api_through_proxy: true,
+        api_env: vec![("LIVE_EVENT_MAX_BYTES".into(), "67108864".into())],
+        ..Default::default()
+    };
     let stack = Stack::start("live_listener_resync", options).await.unwrap();
     let proxy = stack.proxy.as_ref().unwrap();
     let c = stack.client();

@@ -57,6 +57,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         Timing { call_timeout: config.renew, retry_for: config.renew },
     )?;
     let maintenance_pool = db::build_pool(&config.db.database_url, 2, &application_name, Duration::from_secs(30))?;
+    // Idle connections of the step and maintenance pools close (their buffers grow with the
+    // largest row carried); the lease keeper's and the stream flusher's single connections stay.
+    store.reap_idle(config.db.db_pool_idle_timeout);
+    db::reap_idle(&maintenance_pool, config.db.db_pool_idle_timeout);
     let catalog = Arc::new(config.models.catalog().context("loading the model catalog")?);
     let mut registry = ToolRegistry::builtin(&BuiltinToolConfig {
         max_sleep_seconds: config.max_sleep_seconds,

@@ -80,6 +80,11 @@ impl Store {
         Ok(Self { pool: pool::build_with(settings, extra_options)?, timing })
     }
 
+    /// Closes this store's connections unused for `idle` ([`crate::db::reap_idle`]).
+    pub fn reap_idle(&self, idle: Duration) {
+        crate::db::reap_idle(&self.pool, idle);
+    }
+
     /// The configured timing.
     pub fn timing(&self) -> Timing {
         self.timing

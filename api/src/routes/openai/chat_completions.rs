@@ -89,6 +89,7 @@ pub async fn chat_completions(
     state: web::Data<AppState>,
     hidden: web::Data<HiddenRequests>,
     who: Authenticated,
+    req: actix_web::HttpRequest,
     body: web::Json<ChatCompletionRequest>,
 ) -> Result<actix_web::Either<HttpResponse, impl Responder>, V1Error> {
     let body = body.into_inner();
@@ -125,9 +126,18 @@ pub async fn chat_completions(
         model: model.clone(),
         include_usage: body.stream_options.and_then(|o| o.include_usage) == Some(true),
     };
+    // A client that goes away ends its request at once: dropping the `HiddenRequest` cancels the
+    // run and deletes the hidden thread (actix itself would wait for a failed write).
+    let peer = crate::connection::PeerSocket::of(&req);
     if body.stream == Some(true) {
         let (tx, rx) = mpsc::channel::<sse::Event>(64);
-        actix_web::rt::spawn(super::stream::pump(state.clone(), request, chunker, tx));
+        let pump = super::stream::pump(state.clone(), request, chunker, tx);
+        actix_web::rt::spawn(async move {
+            tokio::select! {
+                () = pump => {}
+                () = crate::connection::client_gone(peer) => {}
+            }
+        });
         // The keep-alive comments also reveal a client that went away while nothing else is
         // written (the write fails, the stream is dropped, the pump sees its channel closed).
         return Ok(actix_web::Either::Right(
@@ -138,7 +148,19 @@ pub async fn chat_completions(
                 .insert_header(("X-Accel-Buffering", "no")),
         ));
     }
-    let finished = match wait_for_end(&state, &request).await {
+    let waited = tokio::select! {
+        waited = wait_for_end(&state, &request) => waited,
+        () = crate::connection::client_gone(peer) => {
+            drop(request);
+            return Err(V1Error {
+                status: actix_web::http::StatusCode::from_u16(499).unwrap_or(actix_web::http::StatusCode::BAD_REQUEST),
+                code: "client_closed_request".into(),
+                message: "the client closed the connection; the run was cancelled".into(),
+                param: None,
+            });
+        }
+    };
+    let finished = match waited {
         Ok(run) => run,
         Err(e) => {
             request.finish().await;

@@ -19,13 +19,14 @@ pub enum Batch {
     Reset { sequence: i64 },
 }
 
-/// Reads the next batch after `cursor`, detecting a pruned position.
-pub async fn next_batch(conn: &mut AsyncPgConnection, thread_id: Uuid, cursor: i64, current: i64) -> diesel::QueryResult<Batch> {
+/// Reads the next batch after `cursor` (payloads slimmed to about `event_max` bytes), detecting
+/// a pruned position.
+pub async fn next_batch(conn: &mut AsyncPgConnection, thread_id: Uuid, cursor: i64, current: i64, event_max: usize) -> diesel::QueryResult<Batch> {
     if cursor > current {
         // A cursor from the future (e.g. another thread's id): treat as a reset to the present.
         return Ok(Batch::Reset { sequence: current });
     }
-    let events = crate::hub::read_journal(conn, thread_id, cursor, BATCH, crate::hub::BATCH_BYTES).await?;
+    let events = crate::hub::read_journal(conn, thread_id, cursor, BATCH, crate::hub::BATCH_BYTES, event_max).await?;
     if let Some(first) = events.first() {
         if first.sequence > cursor + 1 {
             return Ok(Batch::Reset { sequence: current });

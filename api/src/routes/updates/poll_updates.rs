@@ -56,12 +56,14 @@ pub async fn poll_updates(
     let revoked = guard.revoked();
     let thread_id = path.into_inner();
     let mut conn = state.pool.get().await?;
-    let thread = threads::get_owned(&mut conn, thread_id, who.0.id).await?.ok_or(ApiError::NotFound)?;
+    let position = threads::event_position_owned(&mut conn, thread_id, who.0.id).await?.ok_or(ApiError::NotFound)?;
     drop(conn);
     let _client = super::stream_updates::LiveClient::of("long-poll");
     let mut wake = state.hub.subscribe(thread_id);
-    let cursor = requested.unwrap_or(thread.last_event_sequence);
+    let cursor = requested.unwrap_or(position);
     let deadline = tokio::time::Instant::now() + timeout;
+    let gone = crate::connection::client_gone(crate::connection::PeerSocket::of(&req));
+    tokio::pin!(gone);
     loop {
         wake.borrow_and_update();
         let batch = state.hub.next_batch(&state.pool, thread_id, cursor).await.map_err(|e| ApiError::Unavailable {
@@ -81,6 +83,9 @@ pub async fn poll_updates(
         tokio::select! {
             changed = wake.changed() => if changed.is_err() { break },
             _ = tokio::time::sleep_until(deadline) => break,
+            // The client left: end now, so its live-connection slot and hub subscription are
+            // released at once (the answer goes nowhere).
+            () = &mut gone => break,
             _ = revoked.cancelled() => {
                 return Err(ApiError::Unauthenticated {
                     code: "credentials_revoked",

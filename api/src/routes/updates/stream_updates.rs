@@ -84,7 +84,8 @@ pub async fn stream_updates(
     });
     let _ = tx.try_send(data("connected", &connected, None));
     let _ = tx.try_send(data("thread", &snapshot, None));
-    tokio::spawn(pump(state.clone(), thread.id, cursor, wake, tx, guard));
+    let peer = crate::connection::PeerSocket::of(&req);
+    tokio::spawn(pump(state.clone(), thread.id, cursor, wake, tx, guard, peer));
     Ok(sse::Sse::from_infallible_receiver(rx)
         .with_retry_duration(Duration::from_secs(2))
         .customize()
@@ -108,6 +109,7 @@ async fn pump(
     mut wake: tokio::sync::watch::Receiver<u64>,
     tx: mpsc::Sender<sse::Event>,
     guard: crate::limits::LiveGuard,
+    peer: Option<crate::connection::PeerSocket>,
 ) {
     let heartbeat = state.sse_heartbeat;
     let _client = LiveClient::new();
@@ -120,10 +122,22 @@ async fn pump(
         }
     };
     tokio::pin!(until_end);
+    // A departed client ends its pump within a check interval, not two heartbeats later — also
+    // while the pump waits for room in a full queue (a client that stopped reading, then left).
+    let gone = crate::connection::client_gone(peer);
+    tokio::pin!(gone);
+    macro_rules! send {
+        ($event:expr) => {
+            tokio::select! {
+                sent = tx.send($event) => sent.is_ok(),
+                () = &mut gone => false,
+            }
+        };
+    }
     loop {
         if revoked.is_cancelled() {
             let error = crate::error::envelope("credentials_revoked", "the API key or session of this stream was revoked or expired");
-            let _ = tx.send(data("error", &error, None)).await;
+            let _ = send!(data("error", &error, None));
             return;
         }
         wake.borrow_and_update();
@@ -133,7 +147,7 @@ async fn pump(
             Ok(Batch::Events(events)) => {
                 sent_any = events.len() as i64 == super::BATCH;
                 for event in events {
-                    if tx.send(data(&event.kind, &event.payload, Some(event.sequence))).await.is_err() {
+                    if !send!(data(&event.kind, &event.payload, Some(event.sequence))) {
                         return;
                     }
                     cursor = event.sequence;
@@ -141,7 +155,7 @@ async fn pump(
             }
             Ok(Batch::Reset { sequence }) => {
                 cursor = sequence;
-                if tx.send(data("reset", &json!({"sequence": sequence}), Some(sequence))).await.is_err() {
+                if !send!(data("reset", &json!({"sequence": sequence}), Some(sequence))) {
                     return;
                 }
             }
@@ -157,11 +171,12 @@ async fn pump(
         tokio::select! {
             changed = wake.changed() => if changed.is_err() { return },
             _ = tokio::time::sleep(heartbeat) => {
-                if tx.send(data("heartbeat", &json!({"sequence": cursor}), None)).await.is_err() {
+                if !send!(data("heartbeat", &json!({"sequence": cursor}), None)) {
                     return;
                 }
             }
             _ = tx.closed() => return,
+            () = &mut gone => return,
             _ = revoked.cancelled() => {}
             _ = &mut until_end => return,
         }

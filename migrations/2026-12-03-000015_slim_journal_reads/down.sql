@@ -1,0 +1,1 @@
+DROP FUNCTION IF EXISTS agentloop_slim_event(jsonb, int);
