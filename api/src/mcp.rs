@@ -215,7 +215,7 @@ fn tools() -> Vec<Tool> {
         ),
         Tool::new(
             "get_run",
-            "A run: status (queued, running, waiting_approval, blocked, completed, failed, cancelled), usage, error, its steps, and \
+            "A run: status (queued, running, waiting_approval, waiting_authorization, blocked, completed, failed, cancelled), usage, error, its steps, and \
              its pending approvals (waiting_approval) or uncertain operations (blocked).",
             schema(json!({"type": "object", "properties": {"runId": uuid_prop("the run")}, "required": ["runId"]})),
         )
@@ -375,7 +375,7 @@ impl AgentloopMcp {
         }
     }
 
-    /// Waits until the run is terminal or needs a human (waiting_approval, blocked), at most
+    /// Waits until the run is terminal or needs a human (waiting_approval, waiting_authorization, blocked), at most
     /// `timeout`. `{done, status, answer, run}`; 404 for another principal's run.
     async fn wait_run(&self, principal: Uuid, run_id: Uuid, timeout: Duration) -> Result<Value, ApiError> {
         let state = &self.state;
@@ -388,7 +388,7 @@ impl AgentloopMcp {
             wake.borrow_and_update();
             let mut conn = state.pool.get().await?;
             let run = runs::get_owned(&mut conn, run_id, principal).await?.ok_or(ApiError::NotFound)?;
-            let settled = run.is_terminal() || matches!(run.status.as_str(), status::WAITING_APPROVAL | status::BLOCKED);
+            let settled = run.is_terminal() || matches!(run.status.as_str(), status::WAITING_APPROVAL | status::WAITING_AUTHORIZATION | status::BLOCKED);
             if settled || tokio::time::Instant::now() >= deadline {
                 let answer = if run.status == status::COMPLETED { final_answer(&mut conn, run_id).await? } else { None };
                 drop(conn);

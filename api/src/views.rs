@@ -822,6 +822,8 @@ pub enum WebhookEvent {
     RunCancelled,
     #[serde(rename = "run.waiting_approval")]
     RunWaitingApproval,
+    #[serde(rename = "run.waiting_authorization")]
+    RunWaitingAuthorization,
     #[serde(rename = "run.blocked")]
     RunBlocked,
 }

@@ -34,7 +34,8 @@ use uuid::Uuid;
 pub const WEBHOOKS_CHANNEL: &str = "agentloop_webhooks";
 
 /// Event types a webhook may subscribe to: `run.<status>` for these run states.
-pub const EVENT_TYPES: [&str; 5] = ["run.completed", "run.failed", "run.cancelled", "run.waiting_approval", "run.blocked"];
+pub const EVENT_TYPES: [&str; 6] =
+    ["run.completed", "run.failed", "run.cancelled", "run.waiting_approval", "run.waiting_authorization", "run.blocked"];
 
 /// Longest webhook URL, in bytes.
 pub const MAX_URL_BYTES: usize = 2048;

@@ -56,7 +56,11 @@ async fn start(test: &str, mcp: &OAuthMcp) -> Stack {
     std::fs::write(&path, serde_json::to_vec_pretty(&tools).unwrap()).unwrap();
     let options = StackOptions {
         workers: 0,
-        api_env: vec![("OAUTH_TOKENS_KEY".into(), key.clone())],
+        api_env: vec![
+            ("OAUTH_TOKENS_KEY".into(), key.clone()),
+            ("WEBHOOK_SECRETS_KEY".into(), key.clone()),
+            ("WEBHOOK_ALLOW_PRIVATE_TARGETS".into(), "true".into()),
+        ],
         worker_env: vec![("TOOLS_FILE".into(), path.display().to_string()), ("OAUTH_TOKENS_KEY".into(), key)],
         ..Default::default()
     };
@@ -131,10 +135,22 @@ async fn signin_parks_the_run_then_resumes_it_with_the_token_and_claims_the_auth
     let mcp = start_oauth_mcp();
     let stack = start("mcp_signin_main", &mcp).await;
     let c = stack.client();
+    // A webhook subscribed to run.waiting_authorization (its outbox row is the proof; nothing
+    // listens at the URL).
+    let hook = c.post("/api/webhooks", json!({"url": "http://127.0.0.1:9/hook", "events": ["run.waiting_authorization"]})).await.unwrap();
+    assert_eq!(hook.status, 201, "{hook:?}");
     let (thread, run) = chat(&c, "hello").await;
 
     // The protected call parks the run: lease released, an authorization with a sign-in URL.
     let parked = waiting(&c, &run).await;
+    let db = stack.db.client().await.unwrap();
+    let run_uuid = uuid::Uuid::parse_str(&run).unwrap();
+    let outbox: i64 = db
+        .query_one("SELECT count(*) FROM webhook_deliveries WHERE run_id = $1 AND event_type = 'run.waiting_authorization'", &[&run_uuid])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(outbox, 1, "one run.waiting_authorization delivery in the outbox");
     assert_eq!(parked["leaseOwner"], Value::Null, "the lease is released while waiting: {parked}");
     let authorization = parked["authorization"].clone();
     assert_eq!(authorization["status"], "pending", "{parked}");
