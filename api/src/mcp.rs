@@ -93,7 +93,7 @@ pub async fn serve(
         }
     }
     if let Some(refusal) = refuse_message(&body) {
-        return Ok(refusal);
+        return refusal;
     }
     let mut builder = http::Request::builder().method(req.method().as_str()).uri(req.uri().to_string());
     for (name, value) in req.headers() {
@@ -121,31 +121,26 @@ pub async fn serve(
     Ok(out.streaming(stream))
 }
 
-/// JSON-RPC error codes (JSON-RPC 2.0 §5.1).
-const INVALID_REQUEST: i64 = -32600;
+/// JSON-RPC "Invalid params" (JSON-RPC 2.0 §5.1).
 const INVALID_PARAMS: i64 = -32602;
 
 /// Answers, before rmcp sees it, a body that rmcp would misreport:
 ///
-/// - a JSON-RPC batch (an array): MCP 2025-06-18 removed batching, so HTTP 400 with error
-///   `-32600` (rmcp would answer 415, as if the media type were wrong);
+/// - a JSON-RPC batch (an array): MCP 2025-06-18 removed batching, so HTTP 400
+///   `jsonrpc_batch_unsupported` in the API's error envelope, like every other transport-level
+///   refusal of `/mcp` (rmcp would answer 415, as if the media type were wrong);
 /// - `tools/call` whose `params` lack a string `name` or carry non-object `arguments`: HTTP 200
-///   with error `-32602` Invalid params for that request id (rmcp cannot parse such a request
-///   into a known method and would answer `-32601` Method not found).
+///   with JSON-RPC error `-32602` Invalid params for that request id (rmcp cannot parse such a
+///   request into a known method and would answer `-32601` Method not found).
 ///
 /// `None` for anything else, including bodies that are not JSON (rmcp answers those).
-fn refuse_message(body: &[u8]) -> Option<HttpResponse> {
+fn refuse_message(body: &[u8]) -> Option<Result<HttpResponse, ApiError>> {
     let message: Value = serde_json::from_slice(body).ok()?;
-    let error = |status: actix_web::http::StatusCode, id: Value, code: i64, text: &str| {
-        HttpResponse::build(status).json(json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": text}}))
-    };
     match &message {
-        Value::Array(_) => Some(error(
-            actix_web::http::StatusCode::BAD_REQUEST,
-            Value::Null,
-            INVALID_REQUEST,
+        Value::Array(_) => Some(Err(ApiError::bad_request(
+            "jsonrpc_batch_unsupported",
             "JSON-RPC batches are not supported (MCP 2025-06-18): send one message per request",
-        )),
+        ))),
         Value::Object(m) if m.get("method").and_then(Value::as_str) == Some("tools/call") && m.contains_key("id") => {
             let params = m.get("params");
             let name_ok = params.and_then(|p| p.get("name")).is_some_and(Value::is_string);
@@ -156,7 +151,8 @@ fn refuse_message(body: &[u8]) -> Option<HttpResponse> {
                 (true, true, false) => "tools/call arguments must be an object",
                 (true, true, true) => return None,
             };
-            Some(error(actix_web::http::StatusCode::OK, m["id"].clone(), INVALID_PARAMS, text))
+            Some(Ok(HttpResponse::Ok()
+                .json(json!({"jsonrpc": "2.0", "id": m["id"].clone(), "error": {"code": INVALID_PARAMS, "message": text}}))))
         }
         _ => None,
     }

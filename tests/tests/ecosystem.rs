@@ -534,8 +534,8 @@ mod mcp {
             assert_eq!(resp.status(), 401);
             assert_eq!(resp.headers()["www-authenticate"], "Bearer");
         }
-        // Malformed tools/call params are -32602 Invalid params (not -32601); a batch is a
-        // JSON-RPC -32600 with HTTP 400 (MCP 2025-06-18 has no batches).
+        // Malformed tools/call params are -32602 Invalid params (not -32601); a batch is HTTP 400
+        // `jsonrpc_batch_unsupported` (MCP 2025-06-18 has no batches).
         let raw = |body: Value| {
             reqwest::Client::new()
                 .post(format!("{}/mcp", stack.api_url))
@@ -553,7 +553,7 @@ mod mcp {
         let resp = raw(json!([{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}])).await.unwrap();
         assert_eq!(resp.status(), 400);
         let body: Value = resp.json().await.unwrap();
-        assert_eq!(body["error"]["code"], -32600, "{body}");
+        assert_eq!(body["error"]["code"], "jsonrpc_batch_unsupported", "{body}");
 
         let transcript: Vec<String> = log.iter().map(Value::to_string).collect();
         std::fs::write(out_dir().join("mcp-rmcp-session.jsonl"), transcript.join("\n")).unwrap();

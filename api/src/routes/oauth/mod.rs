@@ -5,8 +5,8 @@ pub mod oauth_callback;
 
 /// Sign-in settings of the api.
 pub struct OAuthState {
-    /// `OAUTH_TOKENS_KEY`: tokens and verifiers are sealed with it; without it the callback is
-    /// 503 `signin_unavailable`.
+    /// `OAUTH_TOKENS_KEY`: tokens and verifiers are sealed with it; without it no sign-in can be
+    /// pending and the callback answers 404 `not_found`.
     pub key: Option<agentloop_shared::secrets::SecretsKey>,
     /// Token requests (timeouts, no redirects, no proxy).
     pub client: agentloop_shared::mcp_auth::HttpClient,

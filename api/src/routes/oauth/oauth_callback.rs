@@ -30,8 +30,8 @@ pub struct CallbackQuery {
 /// this MCP server only, the authorization is `completed` and the waiting run requeued — it
 /// retries the call with the token. A refused exchange (or an `error` redirect) marks the
 /// authorization `failed` (502 `token_exchange_failed`; 400 `authorization_denied`) and requeues
-/// the run too: its retry asks for a new sign-in. 503 `signin_unavailable` without
-/// `OAUTH_TOKENS_KEY`.
+/// the run too: its retry asks for a new sign-in. Without `OAUTH_TOKENS_KEY` no sign-in can be
+/// pending, so every state is 404 `not_found` (a client's input never makes a 5xx).
 #[utoipa::path(
     get, path = "/api/oauth/callback", tag = "runs", operation_id = "oauth_callback",
     params(CallbackQuery),
@@ -40,8 +40,7 @@ pub struct CallbackQuery {
               (status = 404, description = "No pending sign-in of the caller has this state", body = crate::views::ErrorBody),
               (status = 409, description = "The state was used already", body = crate::views::ErrorBody),
               (status = 410, description = "The sign-in link expired", body = crate::views::ErrorBody),
-              (status = 502, description = "The token endpoint refused the code", body = crate::views::ErrorBody),
-              (status = 503, description = "Sign-in is not configured", body = crate::views::ErrorBody))
+              (status = 502, description = "The token endpoint refused the code", body = crate::views::ErrorBody))
 )]
 pub async fn oauth_callback(state: web::Data<AppState>, who: Authenticated, query: web::Query<CallbackQuery>) -> Result<HttpResponse, ApiError> {
     let query = query.into_inner();
@@ -52,7 +51,7 @@ pub async fn oauth_callback(state: web::Data<AppState>, who: Authenticated, quer
         return Err(ApiError::bad_request("missing_field", "the callback needs `code` (or `error`)"));
     }
     let Some(key) = state.oauth.key.as_ref() else {
-        return Err(ApiError::Unavailable { code: "signin_unavailable", message: "MCP sign-in is not configured (OAUTH_TOKENS_KEY)".into() });
+        return Err(ApiError::NotFound);
     };
     let taken = mcp_auth::take_state(&state.store, who.0.id, signin_state).await?;
     let outcome = match (&query.error, &query.code) {
