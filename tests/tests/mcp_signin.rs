@@ -189,6 +189,7 @@ async fn signin_parks_the_run_then_resumes_it_with_the_token_and_claims_the_auth
     assert_eq!(r.status, 401, "the callback needs the principal's session: {r:?}");
     let r = c.get(&callback).await.unwrap();
     assert_eq!(r.status, 200, "{r:?}");
+    let signed_in = r.body.clone();
     assert_eq!(r.body["authorization"]["status"], "completed");
     assert_eq!(r.body["authorization"]["url"], Value::Null, "a used link is not shown again");
     // State replay is refused.
@@ -211,6 +212,18 @@ async fn signin_parks_the_run_then_resumes_it_with_the_token_and_claims_the_auth
     assert!(auths[0]["claimedAt"].is_string());
     let ops = c.get(&format!("/api/runs/{run}/operations")).await.unwrap().body;
     assert_eq!(ops["operations"][0]["status"], "completed", "{ops}");
+    // The round trip, for the record (the code in the callback URL is not kept).
+    let redacted = callback.split('&').map(|p| if p.starts_with("code=") || p.contains("?code=") { p.split('=').next().unwrap().to_owned() + "=…" } else { p.to_owned() }).collect::<Vec<_>>().join("&");
+    let record = json!([
+        {"step": "run parked", "status": parked["status"], "authorization": parked["authorization"]},
+        {"step": "SSE authorization event", "event": event},
+        {"step": "authorization server redirects to", "location": redacted},
+        {"step": "callback answered", "body": signed_in},
+        {"step": "run ended", "status": done["status"], "authorizations": detail["authorizations"]},
+        {"step": "tool server saw", "calls": notes},
+    ]);
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../test-output/mcp_signin_main");
+    std::fs::write(dir.join("signin-round-trip.json"), serde_json::to_vec_pretty(&record).unwrap()).unwrap();
 
     // The token is stored encrypted, once, for this principal and server only.
     let db = stack.db.client().await.unwrap();
