@@ -273,6 +273,15 @@ pub async fn discover(client: &reqwest::Client, challenge: &AuthChallenge, serve
     if !metadata.code_challenge_methods_supported.as_ref().is_some_and(|m| m.iter().any(|m| m == "S256")) {
         return Err(format!("the authorization server {issuer} does not support PKCE S256"));
     }
+    // The authorize URL becomes a link in the UI and the token endpoint receives the code and
+    // verifier: both must be http(s) URLs (a `javascript:` or `data:` link from a hostile
+    // server's metadata would run in the app's origin when clicked).
+    for (what, endpoint) in [("authorization", &metadata.authorization_endpoint), ("token", &metadata.token_endpoint)] {
+        let scheme = reqwest::Url::parse(endpoint).map(|u| u.scheme().to_owned()).unwrap_or_default();
+        if !matches!(scheme.as_str(), "https" | "http") {
+            return Err(format!("the {what} endpoint of {issuer} is not an http(s) URL"));
+        }
+    }
     let scope = challenge_param(header, "scope")
         .or_else(|| (!scopes.is_empty()).then(|| scopes.join(" ")))
         .or_else(|| (!prm.scopes_supported.is_empty()).then(|| prm.scopes_supported.join(" ")));
@@ -479,9 +488,14 @@ pub async fn exchange(client: &reqwest::Client, taken: &Taken, code: &str, key: 
         access_token: access_token.to_owned(),
         token_type: value["token_type"].as_str().map(str::to_owned),
         scope: value["scope"].as_str().map(str::to_owned),
-        expires_in: value["expires_in"].as_f64().filter(|s| *s >= 0.0).map(Duration::from_secs_f64),
+        // A third party's number: anything not finite or absurd (> 10 years) is treated as 10
+        // years rather than trusted into a Duration or a timestamp (which would panic or fail).
+        expires_in: value["expires_in"].as_f64().filter(|s| *s >= 0.0).map(|s| Duration::from_secs_f64(s.min(MAX_TOKEN_LIFETIME_S))),
     })
 }
+
+/// Longest token lifetime taken from a token endpoint's `expires_in` (10 years, in seconds).
+const MAX_TOKEN_LIFETIME_S: f64 = 10.0 * 365.0 * 86_400.0;
 
 /// Ends a taken authorization (`agentloop_mcp_finish`): with `Ok(token)` the token is stored
 /// sealed for (principal, server) and the authorization `completed`; with `Err(error)` it is

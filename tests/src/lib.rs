@@ -387,13 +387,13 @@ impl Stack {
 
     /// An API client authenticated with the stack's key.
     pub fn client(&self) -> Client {
-        Client { base: self.api_url.clone(), key: Some(self.key.clone()), http: reqwest::Client::new() }
+        Client { base: self.api_url.clone(), key: Some(self.key.clone()), http: test_http() }
     }
 
     /// An API client of another principal `name`.
     pub fn client_for(&self, name: &str) -> Result<Client> {
         let key = create_key(&self.db.url, name)?;
-        Ok(Client { base: self.api_url.clone(), key: Some(key), http: reqwest::Client::new() })
+        Ok(Client { base: self.api_url.clone(), key: Some(key), http: test_http() })
     }
 }
 
@@ -415,6 +415,13 @@ pub fn create_key(url: &str, principal: &str) -> Result<String> {
         bail!("create-key failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     Ok(String::from_utf8(out.stdout)?.trim().to_owned())
+}
+
+/// The tests' HTTP client: idle pooled connections are dropped after 2 s, below the api's 5 s
+/// keep-alive, so a request never goes out on a connection the server is closing at that moment
+/// (which fails with "connection closed before message completed").
+pub fn test_http() -> reqwest::Client {
+    reqwest::Client::builder().pool_idle_timeout(Duration::from_secs(2)).build().expect("an HTTP client")
 }
 
 /// A thin JSON client of the API.

@@ -600,10 +600,12 @@ async fn durable_commands_racing_each_other_on_approvals_and_blocked_runs_never_
             if n % 2 == 0 {
                 // Waiting for two approvals, with a FIFO turn behind.
                 let steps = json!([{"toolCalls": [{"name": "calculator", "arguments": {"expression": "1+1"}},
-                                                 {"name": "calculator", "arguments": {"expression": "2+2"}}], "delayMs": 1500},
+                                                 {"name": "calculator", "arguments": {"expression": "2+2"}}], "delayMs": 4000},
                                    {"text": "done"}]);
                 run = id(&c.chat(&thread, &script(steps)).await.unwrap()["run"]);
-                // Enqueued while the run is still queued or running (a parked run refuses turns).
+                // Enqueued while the run is still queued or running (a parked run refuses turns):
+                // the model's 4 s delay covers 16 rounds starting at once on a loaded 2-core CI
+                // machine (1.5 s did not: a CI run got 409 approval_required here).
                 let queued = c
                     .post(&format!("/api/threads/{thread}/chat"), json!({"content": script(json!([{"text": "later"}])), "multitask": "enqueue"}))
                     .await

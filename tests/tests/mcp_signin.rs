@@ -47,6 +47,11 @@ fn start_oauth_mcp() -> OAuthMcp {
 
 /// A stack whose worker knows the `vault` MCP server (`auth: oauth`) and the api's callback.
 async fn start(test: &str, mcp: &OAuthMcp) -> Stack {
+    start_with(test, mcp, &[]).await
+}
+
+/// [`start`] with more worker settings.
+async fn start_with(test: &str, mcp: &OAuthMcp, worker_extra: &[(&str, &str)]) -> Stack {
     let key = base64::engine::general_purpose::STANDARD.encode([42u8; 32]);
     let tools = json!({"mcpServers": [{"name": "vault", "transport": "http", "url": format!("{}/mcp", mcp.url),
                                        "auth": {"type": "oauth", "clientId": "agentloop-test"}}]});
@@ -66,7 +71,9 @@ async fn start(test: &str, mcp: &OAuthMcp) -> Stack {
     };
     let mut stack = Stack::start(test, options).await.unwrap();
     let callback = format!("{}/api/oauth/callback", stack.api_url);
-    stack.add_worker(&[("OAUTH_REDIRECT_URL", &callback)]).unwrap();
+    let mut worker_env = vec![("OAUTH_REDIRECT_URL", callback.as_str())];
+    worker_env.extend_from_slice(worker_extra);
+    stack.add_worker(&worker_env).unwrap();
     stack
 }
 
@@ -332,4 +339,80 @@ async fn signin_is_per_principal_and_expired_or_revoked_tokens_ask_again() {
         .map(|c| (c["arguments"]["text"].as_str().unwrap(), c["user"].as_str().unwrap()))
         .collect();
     assert_eq!(users, [("a1", "alice"), ("b1", "bob"), ("a2", "alice")], "{seen}");
+}
+
+
+/// The authorizations of `run`, oldest first.
+async fn authorizations(c: &Client, run: &str) -> Vec<Value> {
+    c.get(&format!("/api/runs/{run}")).await.unwrap().body["authorizations"].as_array().cloned().unwrap_or_default()
+}
+
+/// Waits until `run` waits again on a NEW pending sign-in (its `n`-th authorization).
+async fn parked_again(c: &Client, run: &str, n: usize) -> Vec<Value> {
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let auths = authorizations(c, run).await;
+        let status = c.get(&format!("/api/runs/{run}")).await.unwrap().body["status"].clone();
+        if auths.len() >= n && status == "waiting_authorization" && auths.last().unwrap()["status"] == "pending" {
+            return auths;
+        }
+        assert!(std::time::Instant::now() < deadline, "run {run} did not ask again: {status} {auths:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Sign-ins that cannot complete on their own do not hold their run (found by an attack on the
+/// first version): an expired link fails and the run asks again by itself; an exchange cut off
+/// mid-way (its api died after taking the state) is given up by the sweep and the run asks
+/// again; a sign-in of one run resumes the principal's other runs waiting on the same server.
+#[tokio::test]
+async fn signin_expired_or_interrupted_asks_again_and_one_signin_resumes_every_waiting_run() {
+    let mcp = start_oauth_mcp();
+    let stack = start_with("mcp_signin_sweep", &mcp, &[("OAUTH_SIGNIN_TTL_MS", "1500")]).await;
+    let c = stack.client();
+
+    // Expiry: the 1.5 s link lapses; the worker's sweep fails it and requeues the run, whose
+    // retry parks it again with a fresh link.
+    let (_, run) = chat(&c, "late").await;
+    waiting(&c, &run).await;
+    let auths = parked_again(&c, &run, 2).await;
+    assert_eq!(auths[0]["status"], "failed", "{auths:?}");
+    assert!(auths[0]["error"].as_str().unwrap().contains("expired"), "{auths:?}");
+
+    // An interrupted exchange (state taken, the api gone before it finished) is given up.
+    let db = stack.db.client().await.unwrap();
+    let run_uuid = uuid::Uuid::parse_str(&run).unwrap();
+    db.execute(
+        "UPDATE mcp_authorizations SET status = 'exchanging', taken_at = now() - interval '2 minutes', expires_at = now() + interval '1 hour'
+          WHERE run_id = $1 AND status = 'pending'",
+        &[&run_uuid],
+    )
+    .await
+    .unwrap();
+    let swept: Value = db.query_one("SELECT agentloop_mcp_sweep('{}')", &[]).await.unwrap().get(0);
+    assert_eq!(swept["ended"], 1, "{swept}");
+    let auths = parked_again(&c, &run, 3).await;
+    assert_eq!(auths[1]["status"], "failed", "{auths:?}");
+    assert!(auths[1]["error"].as_str().unwrap().contains("interrupted"), "{auths:?}");
+    drop(db);
+
+    // Two runs wait on the same server; signing in for one resumes both (the link of the
+    // second is completed by the first's token). A stack with the default 10 min links.
+    drop(stack);
+    let stack = start("mcp_signin_siblings", &mcp).await;
+    let c = stack.client();
+    let (_, run) = chat(&c, "ay").await;
+    let url = waiting(&c, &run).await["authorization"]["url"].as_str().unwrap().to_owned();
+    let (thread_b, run_b) = chat(&c, "bee").await;
+    waiting(&c, &run_b).await;
+    let callback = sign_in(&url, "alice").await;
+    let r = c.get(&callback).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(c.wait_terminal(&run, T).await.unwrap()["status"], "completed");
+    let done_b = c.wait_terminal(&run_b, T).await.unwrap();
+    assert_eq!(done_b["status"], "completed", "the other waiting run resumed with the token: {done_b}");
+    let auths_b = authorizations(&c, &run_b).await;
+    assert_eq!(auths_b.len(), 1, "no second sign-in: {auths_b:?}");
+    assert_eq!(auths_b[0]["status"], "claimed", "{auths_b:?}");
+    assert_eq!(final_text(&c, &thread_b).await, "done: note for alice: bee");
 }

@@ -31,6 +31,10 @@ use crate::control::{self, AbortReason, InFlight, SliceControl};
 use crate::slice::{self, SliceEnv};
 use crate::streaming::StreamHub;
 
+/// An MCP sign-in whose code exchange started longer ago than this is given up by the sweep
+/// (the exchange itself is bounded by 10 s; the api that ran it may have died mid-way).
+const SIGNIN_STUCK_AFTER: Duration = Duration::from_secs(60);
+
 /// Runs the worker until `shutdown` fires, then hands in-flight runs back within the grace
 /// period.
 pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
@@ -192,13 +196,27 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     while !shutdown.is_cancelled() {
         if approvals_check {
             approvals_check = false;
-            match step::expire_approvals(&store, 100).await {
-                Ok((expired, next_ms)) => {
+            // The same sweep ends MCP sign-ins that cannot complete on their own (an interrupted
+            // exchange, an expired link, one a later token satisfies) and requeues their runs.
+            let swept = match step::expire_approvals(&store, 100).await {
+                Ok(approvals) => step::sweep_signins(&store, SIGNIN_STUCK_AFTER, 100).await.map(|signins| (approvals, signins)),
+                Err(e) => Err(e),
+            };
+            match swept {
+                Ok(((expired, next_ms), (signins, signin_next_ms))) => {
                     if expired > 0 {
                         tracing::info!(expired, "tool approvals expired");
                         metrics::counter!("agentloop_tool_approvals_expired_total").increment(expired as u64);
                         pass_wanted = true;
                     }
+                    if signins > 0 {
+                        tracing::info!(ended = signins, "MCP sign-ins ended by the sweep; their runs are requeued");
+                        pass_wanted = true;
+                    }
+                    let next_ms = match (next_ms, signin_next_ms) {
+                        (Some(a), Some(b)) => Some(a.min(b)),
+                        (a, b) => a.or(b),
+                    };
                     approval_deadline = next_ms.map(|ms| Instant::now() + Duration::from_millis(ms.max(0) as u64 + 50));
                 }
                 Err(error) => {

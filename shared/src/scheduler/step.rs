@@ -350,6 +350,16 @@ pub async fn record_outcome(store: &Store, lease: &Lease, key: &str, status: &st
     Ok(value["recorded"].as_bool() == Some(true))
 }
 
+/// Ends MCP sign-ins that cannot complete on their own (`agentloop_mcp_sweep`: an exchange
+/// interrupted for over `stuck`, an expired link; a pending one a later token of the same
+/// principal and server satisfies) and requeues their runs. Returns `(ended, ms until the next
+/// deadline)`.
+pub async fn sweep_signins(store: &Store, stuck: std::time::Duration, limit: i64) -> Result<(i64, Option<i64>), StoreError> {
+    let arg = json!({"stuckMs": stuck.as_millis() as u64, "limit": limit});
+    let value = store.call("agentloop_mcp_sweep", &arg, Replay::Safe, None).await?;
+    Ok((value["ended"].as_i64().unwrap_or(0), value["nextDeadlineMs"].as_i64()))
+}
+
 /// The approval expiry sweep (`agentloop_expire_approvals`): `(expired, ms until the next
 /// pending deadline)`.
 pub async fn expire_approvals(store: &Store, limit: i64) -> Result<(i64, Option<i64>), StoreError> {
