@@ -131,9 +131,12 @@ const INVALID_PARAMS: i64 = -32602;
 ///   refusal of `/mcp` (rmcp would answer 415, as if the media type were wrong);
 /// - `tools/call` whose `params` lack a string `name` or carry non-object `arguments`: HTTP 200
 ///   with JSON-RPC error `-32602` Invalid params for that request id (rmcp cannot parse such a
-///   request into a known method and would answer `-32601` Method not found).
+///   request into a known method and would answer `-32601` Method not found);
+/// - anything else that is JSON but not a JSON-RPC 2.0 message (a scalar, no `"jsonrpc":
+///   "2.0"`, an `id` of another type): HTTP 400 `invalid_jsonrpc` (rmcp would answer 415).
 ///
-/// `None` for anything else, including bodies that are not JSON (rmcp answers those).
+/// `None` for a well-formed message, and for bodies that are not JSON (answered in the envelope
+/// as rmcp's transport errors are).
 fn refuse_message(body: &[u8]) -> Option<Result<HttpResponse, ApiError>> {
     let message: Value = serde_json::from_slice(body).ok()?;
     match &message {
@@ -154,7 +157,18 @@ fn refuse_message(body: &[u8]) -> Option<Result<HttpResponse, ApiError>> {
             Some(Ok(HttpResponse::Ok()
                 .json(json!({"jsonrpc": "2.0", "id": m["id"].clone(), "error": {"code": INVALID_PARAMS, "message": text}}))))
         }
-        _ => None,
+        // Not a JSON-RPC 2.0 message rmcp can read (a scalar, no `"jsonrpc": "2.0"`, an `id`
+        // that is not a string or an integer): rmcp would call it an unsupported media type.
+        Value::Object(m)
+            if m.get("jsonrpc").and_then(Value::as_str) == Some("2.0")
+                && m.get("id").is_none_or(|id| id.is_string() || id.is_i64() || id.is_u64()) =>
+        {
+            None
+        }
+        _ => Some(Err(ApiError::bad_request(
+            "invalid_jsonrpc",
+            "not a JSON-RPC 2.0 message: an object with \"jsonrpc\": \"2.0\", a method or a result, and a string or integer id",
+        ))),
     }
 }
 

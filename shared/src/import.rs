@@ -244,7 +244,8 @@ fn from_agentloop(obj: &Map<String, Value>, limits: &Limits) -> Result<Imported,
     let Some(Value::Array(items)) = obj.get("messages") else {
         return Err(invalid("messages", "messages must be an array"));
     };
-    let (messages, repairs) = messages(items, "messages", limits)?;
+    // An export of an empty thread has no messages, and must round-trip all the same.
+    let (messages, repairs) = if items.is_empty() { (Vec::new(), Vec::new()) } else { messages(items, "messages", limits)? };
     let created_at = match thread.and_then(|t| t.get("createdAt")) {
         None | Some(Value::Null) => None,
         Some(v) => Some(time_of(v).ok_or_else(|| invalid("thread.createdAt", "not a timestamp"))?.1),

@@ -410,6 +410,15 @@ async fn import_round_trips_the_agentloop_export_shape() {
     assert_eq!(r2.status, 201, "{r2:?}");
     let export2 = c.get(&format!("/api/threads/{}/export", r2.body["thread"]["id"].as_str().unwrap())).await.unwrap();
     assert_eq!(strip(export2.body), strip(export.body), "export -> import -> export");
+
+    // An empty thread round-trips too.
+    let empty = c.create_thread().await.unwrap();
+    let export = c.get(&format!("/api/threads/{empty}/export?format=json")).await.unwrap();
+    assert_eq!(export.status, 200, "{export:?}");
+    let r3 = import(&c, export.body.clone(), None).await;
+    assert_eq!(r3.status, 201, "an empty thread's export imports: {r3:?}");
+    let export3 = c.get(&format!("/api/threads/{}/export", r3.body["thread"]["id"].as_str().unwrap())).await.unwrap();
+    assert_eq!(strip(export3.body), strip(export.body), "empty: export -> import -> export");
 }
 
 mod mcp {
@@ -554,6 +563,13 @@ mod mcp {
         assert_eq!(resp.status(), 400);
         let body: Value = resp.json().await.unwrap();
         assert_eq!(body["error"]["code"], "jsonrpc_batch_unsupported", "{body}");
+        // JSON that is no JSON-RPC 2.0 message: 400 invalid_jsonrpc (not rmcp's 415).
+        for bad in [json!(5), json!(null), json!({"id": 2, "method": "tools/list"}), json!({"jsonrpc": "2.0", "id": {"x": 1}, "method": "tools/list"})] {
+            let resp = raw(bad.clone()).await.unwrap();
+            assert_eq!(resp.status(), 400, "{bad}");
+            let body: Value = resp.json().await.unwrap();
+            assert_eq!(body["error"]["code"], "invalid_jsonrpc", "{bad}: {body}");
+        }
 
         let transcript: Vec<String> = log.iter().map(Value::to_string).collect();
         std::fs::write(out_dir().join("mcp-rmcp-session.jsonl"), transcript.join("\n")).unwrap();
