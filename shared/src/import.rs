@@ -122,10 +122,12 @@ impl Imported {
 
     /// Every message's time identity (ms), filled where the source had none: from the nearest
     /// known time before (+1 ms per row), else the first known time after (-1 ms per row), else
-    /// counting back from `now_ms`. The step function then makes them strictly increasing.
+    /// counting back from `now_ms`. A time after `now_ms` counts as `now_ms` (a document cannot
+    /// date messages in the future: later turns would all be stamped after it). The step
+    /// function then makes them strictly increasing.
     pub fn timestamps(&self, now_ms: i64) -> Vec<i64> {
         let n = self.messages.len();
-        let known: Vec<Option<i64>> = self.messages.iter().map(|m| m.timestamp_ms).collect();
+        let known: Vec<Option<i64>> = self.messages.iter().map(|m| m.timestamp_ms.map(|t| t.min(now_ms))).collect();
         let Some(first) = known.iter().position(Option::is_some) else {
             return (0..n).map(|i| now_ms - (n - i) as i64).collect();
         };
@@ -151,7 +153,9 @@ impl Imported {
 /// Errors: [`ImportError`] with the codes listed there, and `invalid_title` for a title over
 /// 500 characters (the thread API's bound: refused, never cut).
 pub fn parse(doc: &Value, limits: &Limits) -> Result<Imported, ImportError> {
-    let imported = parse_document(doc, limits)?;
+    let mut imported = parse_document(doc, limits)?;
+    // A thread cannot have been created in the future either.
+    imported.created_at = imported.created_at.map(|t| t.min(chrono::Utc::now()));
     if imported.title.as_deref().is_some_and(|t| t.trim().chars().count() > MAX_TITLE_CHARS) {
         return Err(err("invalid_title", "title", format!("title is limited to {MAX_TITLE_CHARS} characters")));
     }
@@ -509,6 +513,16 @@ mod tests {
     }
 
     #[test]
+    fn times_from_the_future_count_as_now() {
+        let doc = json!({"format": "agentloop.thread.v1", "thread": {"createdAt": "9999-12-31T23:59:59Z"},
+                         "messages": [{"role": "user", "content": "hi", "createdAt": "9999-12-31T23:59:59Z"},
+                                      {"role": "assistant", "content": "yo"}]});
+        let imported = parse(&doc, &LIMITS).unwrap();
+        assert!(imported.created_at.unwrap() <= chrono::Utc::now());
+        assert_eq!(imported.timestamps(1_000), vec![1_000, 1_001]);
+    }
+
+    #[test]
     fn a_title_over_the_bound_is_refused_not_cut() {
         let long = "t".repeat(MAX_TITLE_CHARS + 1);
         let e = parse(&json!({"title": long, "messages": [{"role": "user", "content": "hi"}]}), &LIMITS).unwrap_err();
@@ -605,7 +619,7 @@ mod tests {
             {"role": "user", "content": "d", "timestamp": 1000000000000i64},
         ]);
         let imported = parse(&doc, &LIMITS).unwrap();
-        assert_eq!(imported.timestamps(5), [999999999999, 1000000000000, 1000000000001, 1000000000000]);
+        assert_eq!(imported.timestamps(2_000_000_000_000), [999999999999, 1000000000000, 1000000000001, 1000000000000]);
         let none = parse(&json!([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]), &LIMITS).unwrap();
         assert_eq!(none.timestamps(100), [98, 99]);
     }
