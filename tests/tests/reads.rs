@@ -627,6 +627,19 @@ async fn sse_resumes_from_after_sequence_or_last_event_id() {
     let ids: Vec<i64> = [next(&mut s, T).await.unwrap(), next(&mut s, T).await.unwrap()].iter().map(|e| e.1.parse().unwrap()).collect();
     assert_eq!(ids, vec![last, probe]);
 
+    // A Last-Event-ID that is not an integer, even one that is not ASCII, is a 400, never ignored.
+    for bad in ["abc", "é"] {
+        let r = reqwest::Client::new()
+            .get(format!("{}/api/threads/{thread}/updates?timeoutMs=0", stack.api_url))
+            .bearer_auth(&stack.key)
+            .header("Last-Event-ID", reqwest::header::HeaderValue::from_bytes(bad.as_bytes()).unwrap())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{bad}");
+        assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "invalid_last_event_id", "{bad}");
+    }
+
     // No position: starts at the present.
     let mut s = sse(&stack, &thread, "", None).await;
     assert_eq!(next(&mut s, T).await.unwrap().2["sequence"], probe);

@@ -43,12 +43,15 @@ pub async fn next_batch(conn: &mut AsyncPgConnection, thread_id: Uuid, cursor: i
 
 /// Parses a resume position: the `Last-Event-ID` header wins over `afterSequence`.
 pub fn resume_cursor(req: &actix_web::HttpRequest, after_sequence: Option<i64>) -> Result<Option<i64>, crate::error::ApiError> {
-    match req.headers().get("Last-Event-ID").and_then(|v| v.to_str().ok()) {
+    let invalid = || crate::error::ApiError::bad_request("invalid_last_event_id", "Last-Event-ID must be an integer");
+    // A header that is not even ASCII is refused like any other non-integer, not ignored.
+    let header = req.headers().get("Last-Event-ID").map(|v| v.to_str().map_err(|_| invalid())).transpose()?;
+    match header {
         Some(raw) if !raw.trim().is_empty() => raw
             .trim()
             .parse::<i64>()
             .map(Some)
-            .map_err(|_| crate::error::ApiError::bad_request("invalid_last_event_id", "Last-Event-ID must be an integer")),
+            .map_err(|_| invalid()),
         _ => Ok(after_sequence),
     }
 }
