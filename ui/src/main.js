@@ -690,6 +690,9 @@ async function branchOp(V, node, method, path, body) {
     addMessage(V, r.message);
     if (r.run && !V.runs.has(r.run.id)) V.runs.set(r.run.id, r.run);
     renderAll();
+    // The live event of the new message (without its ‹ n/n ›) and even the end of its run may
+    // have come before this answer: read the switchers from the server now as well.
+    if (/\/(edit|regenerate)$/.test(path)) refreshMarks(V);
     if (r.run) scrollDown(true);
     refreshThreadsSoon();
     return true;
