@@ -743,7 +743,12 @@ async fn durable_cancelling_a_pending_turn_while_the_run_ends_is_not_a_deadlock(
         assert_eq!(reply.status, 200, "round {round}: {reply:?}");
         let a_end = c.wait_terminal(&a, T).await.unwrap();
         assert_eq!(a_end["status"], "completed", "round {round}: the paid answer was thrown away: {a_end}");
-        assert_eq!(c.wait_terminal(&b, T).await.unwrap()["status"], "cancelled");
+        // The cancel waits behind the slice end (lock order: active run, thread, pending run):
+        // when the worker wins, B is promoted, and on a loaded machine it may be claimed and
+        // answered (its script is instant) before the cancel reaches it — a cancel that comes
+        // after the end changes nothing. Either outcome is legal; nothing may fail or deadlock.
+        let b_end = c.wait_terminal(&b, T).await.unwrap();
+        assert!(matches!(b_end["status"].as_str(), Some("cancelled" | "completed")), "round {round}: {b_end}");
         let answers = all_messages(&c, &thread).await.into_iter().filter(|m| m["content"] == "the paid answer").count();
         assert_eq!(answers, 1, "round {round}");
     }
