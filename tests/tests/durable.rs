@@ -960,3 +960,70 @@ async fn durable_a_cancel_completed_by_recovery_keeps_the_streamed_partial() {
     let text = stopped[0]["content"].as_str().unwrap();
     assert!(text.starts_with(&shown) && full.starts_with(text), "kept {} chars, had shown {}", text.len(), shown.len());
 }
+
+/// Deferred notifications (issue 9, `migrations/…000018_deferred_notify`): a worker step's
+/// notifications are not sent by its own transaction (which would hold PostgreSQL's
+/// database-wide notify lock through its WAL flush) but by `agentloop_flush_notify()` right
+/// after it; a step that rolls back leaves nothing to send; and through the workers' store the
+/// pipelined flush delivers every step's notification with nothing left pending in the session.
+#[tokio::test]
+async fn deferred_notifications_are_sent_after_the_commit_and_never_for_a_rolled_back_step() {
+    use agentloop_shared::scheduler::listener::{self, ListenerEvent};
+    use agentloop_shared::store::{PoolSettings, Replay, Store, Timing};
+
+    let db = agentloop_tests::TestDb::create().await.unwrap();
+    let setup = db.client().await.unwrap();
+    let thread = uuid::Uuid::new_v4();
+    setup
+        .batch_execute(&format!(
+            "INSERT INTO principals (id, name) VALUES ('00000000-0000-0000-0000-000000000001', 'p');
+             INSERT INTO threads (id, owner_id, last_event_sequence) VALUES ('{thread}', '00000000-0000-0000-0000-000000000001', 7);"
+        ))
+        .await
+        .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut events = listener::spawn(db.url.clone(), "deferred-test-listener", vec!["agentloop_threads"], Duration::from_secs(5), stop.clone());
+    assert_eq!(tokio::time::timeout(T, events.recv()).await.unwrap(), Some(ListenerEvent::Resync));
+    let expected = ListenerEvent::Notification { channel: "agentloop_threads".into(), payload: format!("{thread}:7") };
+    let quiet = |events: &mut tokio::sync::mpsc::Receiver<ListenerEvent>| {
+        let got = events.try_recv();
+        assert!(got.is_err(), "a notification nobody flushed: {got:?}");
+    };
+    let arg = json!({"threadId": thread});
+
+    // 1. The step commits; its notification waits for the flush.
+    let step = db.client().await.unwrap();
+    step.query_one("SELECT agentloop_renotify(agentloop_defer($1))", &[&arg]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    quiet(&mut events);
+    let flushed: i32 = step.query_one("SELECT agentloop_flush_notify()", &[]).await.unwrap().get(0);
+    assert_eq!(flushed, 1);
+    assert_eq!(tokio::time::timeout(Duration::from_secs(5), events.recv()).await.unwrap(), Some(expected.clone()));
+
+    // 2. A step that rolls back leaves nothing pending.
+    step.batch_execute("BEGIN").await.unwrap();
+    step.query_one("SELECT agentloop_renotify(agentloop_defer($1))", &[&arg]).await.unwrap();
+    step.batch_execute("ROLLBACK").await.unwrap();
+    let flushed: i32 = step.query_one("SELECT agentloop_flush_notify()", &[]).await.unwrap().get(0);
+    assert_eq!(flushed, 0, "a rolled-back step's notification was kept");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    quiet(&mut events);
+
+    // 3. The workers' store: one call, one round trip, the notification arrives.
+    let settings = PoolSettings {
+        database_url: db.url.clone(),
+        application_name: "deferred-test-store".into(),
+        statement_timeout: Duration::from_secs(10),
+        max_size: 1,
+        wait_timeout: Duration::from_secs(5),
+    };
+    let store = Store::with_deferred_notifications(&settings, Timing { call_timeout: Duration::from_secs(5), retry_for: Duration::from_secs(5) }).unwrap();
+    for _ in 0..3 {
+        store.call("agentloop_renotify", &arg, Replay::Safe, None).await.unwrap();
+        assert_eq!(tokio::time::timeout(Duration::from_secs(5), events.recv()).await.unwrap(), Some(expected.clone()));
+    }
+    let conn = store.conn().await.unwrap();
+    let pending: Option<String> = conn.client().query_one("SELECT current_setting('agentloop.deferred', true)", &[]).await.unwrap().get(0);
+    assert_eq!(pending.as_deref().unwrap_or(""), "", "the flush left notifications pending in the session");
+    stop.cancel();
+}

@@ -55,8 +55,11 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         max_size: config.db.db_pool_size,
         wait_timeout: timing.call_timeout,
     };
-    let store = Store::new(&settings, timing)?;
-    let keeper_store = Store::new(
+    // Every worker step sends its notifications right after its commit, not in it (issue 9:
+    // notifying commits are serialised by PostgreSQL through their WAL flush; see
+    // `Store::with_deferred_notifications`).
+    let store = Store::with_deferred_notifications(&settings, timing)?;
+    let keeper_store = Store::with_deferred_notifications(
         &PoolSettings { max_size: 1, statement_timeout: config.renew, ..settings.clone() },
         Timing { call_timeout: config.renew, retry_for: config.renew },
     )?;
@@ -86,7 +89,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     let streams = StreamHub::new();
     // The flusher has its own connection: streaming must not queue behind slice starts and
     // checkpoints waiting for the step pool (a thousand slices starting at once).
-    let stream_store = Store::new(
+    let stream_store = Store::with_deferred_notifications(
         &PoolSettings { max_size: 1, ..settings.clone() },
         Timing { call_timeout: timing.call_timeout, retry_for: config.stream_throttle },
     )?;

@@ -301,6 +301,14 @@ pub async fn commit(store: &Store, lease: &Lease, step_id: Option<i64>, commit: 
     if value.get("lost").and_then(Value::as_bool) == Some(true) {
         return Ok(None);
     }
+    if value.get("replayed").and_then(Value::as_bool) == Some(true) {
+        // The first attempt committed and its connection broke: its notifications, sent after
+        // the commit (`Store::with_deferred_notifications`), may be lost. Best effort: the
+        // commit stands either way.
+        if let Err(error) = store.call("agentloop_renotify", &json!({"threadId": lease.thread_id}), Replay::Safe, Some(deadline)).await {
+            tracing::warn!(%error, "could not announce a replayed commit");
+        }
+    }
     decode(value).map(Some)
 }
 

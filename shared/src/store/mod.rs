@@ -5,7 +5,9 @@
 //! value and applied by ONE PostgreSQL function (`migrations/2026-12-01-000005_durable_core`) in
 //! ONE statement: one transaction, one round trip, the statement prepared once per connection,
 //! the lock order (thread, then runs, then approvals/operations) and the fence built into the
-//! function, at most one notification per channel. [`Store::call`] is the only way in: it
+//! function, at most one notification per channel — sent in the step's transaction, or, for the
+//! workers' steps ([`Store::with_deferred_notifications`]), by a statement pipelined right
+//! behind it so that steps share WAL flushes. [`Store::call`] is the only way in: it
 //! cleans NUL characters out of the value, bounds each attempt by a timeout, classifies
 //! failures once ([`fault`]) and retries what is safe to retry until the caller's deadline.
 //!
@@ -21,7 +23,7 @@ use backon::BackoffBuilder;
 use serde_json::Value;
 
 pub use fault::Fault;
-pub use pool::{PoolSettings, StoreConn, StorePool};
+pub use pool::{CallOutcome, PoolSettings, StoreConn, StorePool};
 
 /// Whether a call may be sent again when its outcome is unknown (the connection broke after
 /// the statement may have been sent).
@@ -77,7 +79,14 @@ impl Store {
     /// A store whose connections carry extra session settings (`-c name=value ...`), e.g. the
     /// api's per-principal limits read by the triggers of `migrations/…000006_hostile_clients`.
     pub fn with_options(settings: &PoolSettings, timing: Timing, extra_options: &str) -> anyhow::Result<Self> {
-        Ok(Self { pool: pool::build_with(settings, extra_options)?, timing })
+        Ok(Self { pool: pool::build_with(settings, extra_options, false)?, timing })
+    }
+
+    /// A store whose calls send their notifications right after their commit instead of in it
+    /// (the workers' steps; see [`StoreConn::call_json`] and
+    /// `migrations/…000018_deferred_notify`): steps then share WAL flushes.
+    pub fn with_deferred_notifications(settings: &PoolSettings, timing: Timing) -> anyhow::Result<Self> {
+        Ok(Self { pool: pool::build_with(settings, "", true)?, timing })
     }
 
     /// Closes this store's connections unused for `idle` ([`crate::db::reap_idle`]).
@@ -151,7 +160,13 @@ impl Store {
     async fn attempt(&self, function: &'static str, arg: &Value) -> Result<Value, Fault> {
         let mut conn = self.pool.get().await.map_err(|e| fault::classify_pool(&e))?;
         match tokio::time::timeout(self.timing.call_timeout, conn.call_json(function, arg)).await {
-            Ok(Ok(value)) => Ok(value),
+            Ok(Ok(outcome)) => {
+                if let Some(unsent) = outcome.unsent {
+                    drop(deadpool::managed::Object::take(conn));
+                    self.send_unsent(function, &unsent).await;
+                }
+                Ok(outcome.value)
+            }
             Ok(Err(error)) => {
                 let fault = fault::classify(&error);
                 if conn.is_closed() || matches!(fault, Fault::Unknown(_)) {
@@ -163,6 +178,25 @@ impl Store {
                 drop(deadpool::managed::Object::take(conn));
                 Err(Fault::Unknown(format!("no answer within {} ms", self.timing.call_timeout.as_millis())))
             }
+        }
+    }
+
+    /// Sends notifications whose pipelined flush failed (the step committed), on another
+    /// connection, once, within the call timeout. Losing them only delays: listeners resync
+    /// when they reconnect, workers claim at their next pass or safety poll.
+    async fn send_unsent(&self, function: &'static str, unsent: &Value) {
+        let sent = tokio::time::timeout(self.timing.call_timeout, async {
+            let conn = self.pool.get().await.map_err(|e| format!("{e}"))?;
+            conn.client()
+                .query_one("SELECT agentloop_send_deferred($1::jsonb)", &[unsent])
+                .await
+                .map_err(|e| format!("{e}"))
+        })
+        .await;
+        match sent {
+            Ok(Ok(_)) => metrics::counter!("agentloop_notifications_resent_total", "function" => function).increment(1),
+            Ok(Err(error)) => tracing::warn!(db.function = function, %error, "deferred notifications lost"),
+            Err(_) => tracing::warn!(db.function = function, "deferred notifications lost (timeout)"),
         }
     }
 

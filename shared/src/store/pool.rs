@@ -39,29 +39,89 @@ pub struct PoolSettings {
 pub struct StoreConn {
     client: Client,
     statements: HashMap<String, Statement>,
+    /// Whether step calls defer their notifications to a pipelined second statement
+    /// ([`StoreConn::call_json`]).
+    defer_notify: bool,
     _driver: AbortOnDropHandle<()>,
+}
+
+/// The answer of one step call ([`StoreConn::call_json`]).
+#[derive(Debug)]
+pub struct CallOutcome {
+    /// The function's jsonb result (`null` for SQL NULL).
+    pub value: serde_json::Value,
+    /// Deferred notifications (`[[channel, payload], ...]`) that the pipelined flush did not send
+    /// because its statement failed after the step committed: send them on another connection
+    /// (`agentloop_send_deferred`). `None` when there were none or they were sent.
+    pub unsent: Option<serde_json::Value>,
 }
 
 impl StoreConn {
     /// Calls `SELECT <function>($1::jsonb)` with `arg`; returns the jsonb result. When `arg`
     /// has a `traceparent` member (an api command that may insert a run, see
-    /// `crate::commands`) the statement is `SELECT <function>(agentloop_trace($1::jsonb))`:
-    /// the argument puts it into the transaction-local `agentloop.traceparent` that
-    /// `agentloop_insert_run` stores on the run (`migrations/…000012_trace_context`).
-    pub async fn call_json(&mut self, function: &str, arg: &serde_json::Value) -> Result<serde_json::Value, tokio_postgres::Error> {
+    /// `crate::commands`) the argument is wrapped in `agentloop_trace(...)`: it puts it into the
+    /// transaction-local `agentloop.traceparent` that `agentloop_insert_run` stores on the run
+    /// (`migrations/…000012_trace_context`).
+    ///
+    /// On a connection that defers notifications (the workers' steps,
+    /// `migrations/…000018_deferred_notify`) the argument is also wrapped in
+    /// `agentloop_defer(...)`: the function's `pg_notify`s are kept in the session and sent by
+    /// `SELECT agentloop_flush_notify()`, pipelined right behind the call in the same round trip,
+    /// in a transaction of its own that waits for no WAL flush. The step's commit then does not
+    /// hold PostgreSQL's database-wide notify lock through its flush, so concurrent steps share
+    /// flushes (group commit). The step statement returns the deferred pairs too: when the flush
+    /// failed they come back in [`CallOutcome::unsent`].
+    pub async fn call_json(&mut self, function: &str, arg: &serde_json::Value) -> Result<CallOutcome, tokio_postgres::Error> {
         let traced = arg.get("traceparent").is_some_and(serde_json::Value::is_string);
         let key = if traced { format!("{function}+trace") } else { function.to_owned() };
         let statement = match self.statements.get(&key) {
             Some(s) => s.clone(),
             None => {
-                let sql = if traced { format!("SELECT {function}(agentloop_trace($1::jsonb))") } else { format!("SELECT {function}($1::jsonb)") };
+                let mut argument = if traced { "agentloop_trace($1::jsonb)".to_owned() } else { "$1::jsonb".to_owned() };
+                let sql = if self.defer_notify {
+                    argument = format!("agentloop_defer({argument})");
+                    // OFFSET 0 keeps the call in its own plan node: it runs before the outer
+                    // projection reads the setting it filled.
+                    format!("SELECT r, current_setting('agentloop.deferred', true) FROM (SELECT {function}({argument}) AS r OFFSET 0) s")
+                } else {
+                    format!("SELECT {function}({argument})")
+                };
                 let s = self.client.prepare_typed(&sql, &[Type::JSONB]).await?;
                 self.statements.insert(key, s.clone());
                 s
             }
         };
-        let row = self.client.query_one(&statement, &[arg]).await?;
-        row.try_get::<_, Option<serde_json::Value>>(0).map(|v| v.unwrap_or(serde_json::Value::Null))
+        if !self.defer_notify {
+            let row = self.client.query_one(&statement, &[arg]).await?;
+            let value = row.try_get::<_, Option<serde_json::Value>>(0)?.unwrap_or(serde_json::Value::Null);
+            return Ok(CallOutcome { value, unsent: None });
+        }
+        let flush = match self.statements.get(FLUSH_KEY) {
+            Some(s) => s.clone(),
+            None => {
+                let s = self.client.prepare("SELECT agentloop_flush_notify()").await?;
+                self.statements.insert(FLUSH_KEY.to_owned(), s.clone());
+                s
+            }
+        };
+        // Both requests are written before either answer is awaited (tokio-postgres pipelines
+        // the requests of one client in the order they are first polled).
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [arg];
+        let (step, flushed) = tokio::join!(self.client.query_one(&statement, &params), self.client.query_one(&flush, &[]));
+        let row = step?;
+        let value = row.try_get::<_, Option<serde_json::Value>>(0)?.unwrap_or(serde_json::Value::Null);
+        let unsent = match flushed {
+            Ok(_) => None,
+            Err(error) => {
+                let pending = row.try_get::<_, Option<String>>(1)?.filter(|p| !p.is_empty());
+                let unsent = pending.and_then(|p| serde_json::from_str::<serde_json::Value>(&p).ok());
+                if unsent.is_some() {
+                    tracing::warn!(db.function = function, %error, "deferred notifications not flushed; sending them on another connection");
+                }
+                unsent
+            }
+        };
+        Ok(CallOutcome { value, unsent })
     }
 
     /// The raw client, for ad-hoc statements (maintenance, test tools).
@@ -75,9 +135,13 @@ impl StoreConn {
     }
 }
 
+/// Statement-cache key of `SELECT agentloop_flush_notify()`.
+const FLUSH_KEY: &str = "\0flush";
+
 /// deadpool manager creating [`StoreConn`]s.
 pub struct StoreManager {
     config: Config,
+    defer_notify: bool,
 }
 
 impl managed::Manager for StoreManager {
@@ -91,7 +155,7 @@ impl managed::Manager for StoreManager {
                 tracing::debug!(%error, "store connection ended");
             }
         }));
-        Ok(StoreConn { client, statements: HashMap::new(), _driver: driver })
+        Ok(StoreConn { client, statements: HashMap::new(), defer_notify: self.defer_notify, _driver: driver })
     }
 
     async fn recycle(&self, conn: &mut StoreConn, _: &Metrics) -> RecycleResult<tokio_postgres::Error> {
@@ -130,12 +194,14 @@ pub fn config_with(settings: &PoolSettings, extra_options: &str) -> Result<Confi
 
 /// Builds a pool (no connection is opened until first use).
 pub fn build(settings: &PoolSettings) -> anyhow::Result<StorePool> {
-    build_with(settings, "")
+    build_with(settings, "", false)
 }
 
-/// Like [`build`], with extra session settings (see [`config_with`]).
-pub fn build_with(settings: &PoolSettings, extra_options: &str) -> anyhow::Result<StorePool> {
-    let manager = StoreManager { config: config_with(settings, extra_options)? };
+/// Like [`build`], with extra session settings (see [`config_with`]) and, with
+/// `defer_notify`, step calls that send their notifications after commit
+/// ([`StoreConn::call_json`]).
+pub fn build_with(settings: &PoolSettings, extra_options: &str, defer_notify: bool) -> anyhow::Result<StorePool> {
+    let manager = StoreManager { config: config_with(settings, extra_options)?, defer_notify };
     Ok(managed::Pool::builder(manager)
         .max_size(settings.max_size.max(1))
         .wait_timeout(Some(settings.wait_timeout))
