@@ -121,6 +121,52 @@ async fn retention_bounds_every_table_and_spares_live_data() {
     }
 }
 
+/// No query is JIT-compiled (`agentloop_shared::db::PLANNER_SETTINGS`): with sequential scans
+/// priced out, a query that must still scan (the MCP sign-in sweep over `mcp_authorizations`)
+/// costs 10^10, far above `jit_above_cost`; PostgreSQL then JIT-compiled it on every execution
+/// (~450 ms of CPU for an empty table), and on a loaded machine those sweeps outlived their call
+/// timeout, piled up and starved the slices. Both kinds of pool — the store's (workers' steps,
+/// api commands) and the diesel pools (api reads, maintenance) — run with `jit = off`.
+#[tokio::test]
+async fn no_query_is_jit_compiled() {
+    use agentloop_shared::store::{PoolSettings, Store, Timing};
+    use diesel_async::SimpleAsyncConnection;
+
+    let db = agentloop_tests::TestDb::create().await.unwrap();
+    let settings = PoolSettings {
+        database_url: db.url.clone(),
+        application_name: "jit-test".into(),
+        statement_timeout: Duration::from_secs(30),
+        max_size: 1,
+        wait_timeout: Duration::from_secs(5),
+    };
+    let store = Store::new(&settings, Timing { call_timeout: Duration::from_secs(10), retry_for: Duration::from_secs(10) }).unwrap();
+    let conn = store.conn().await.unwrap();
+    let plan: serde_json::Value = conn
+        .client()
+        .query_one("EXPLAIN (ANALYZE, FORMAT JSON) SELECT min(expires_at) FROM mcp_authorizations WHERE status = 'pending'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(plan.to_string().contains("Seq Scan"), "the query still scans (no index serves it): {plan}");
+    assert!(plan[0].get("JIT").is_none(), "the store's connections JIT-compile: {plan}");
+    drop(conn);
+    let swept = store.call("agentloop_mcp_sweep", &serde_json::json!({"stuckMs": 60000, "limit": 100}), agentloop_shared::store::Replay::Safe, None).await.unwrap();
+    assert_eq!(swept["ended"], 0, "{swept}");
+
+    let pool = agentloop_shared::db::build_pool(&db.url, 1, "jit-test", Duration::from_secs(30)).unwrap();
+    let mut c = pool.get().await.unwrap();
+    c.batch_execute(
+        "DO $$ BEGIN
+           IF current_setting('jit') <> 'off' OR current_setting('enable_seqscan') <> 'off' THEN
+             RAISE EXCEPTION 'the diesel pool runs without the planner settings';
+           END IF;
+         END $$",
+    )
+    .await
+    .unwrap();
+}
+
 /// Plans do not depend on fresh statistics (issue 13): the tables are analysed while empty —
 /// what a fresh install keeps when autovacuum is off — so the planner believes `runs` and
 /// `threads` hold nothing. A session's cached plans then froze on sequential scans (the

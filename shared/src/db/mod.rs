@@ -31,7 +31,20 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
 /// requests/s). With sequential scans priced out, an index path always wins where one exists;
 /// a table without a usable index is still scanned. Proven by the test
 /// `plans_hold_with_stale_statistics` (tests/tests/operations.rs).
-pub const PLANNER_SETTINGS: &str = "enable_seqscan=off";
+///
+/// `jit = off` goes with it: a plan that must still scan (a table without a usable index, such
+/// as the MCP sign-in sweep's) carries the disabled scan's cost of 10^10, far above
+/// `jit_above_cost`, so PostgreSQL JIT-compiled it on every execution — about 450 ms of CPU for a
+/// query that reads an empty table. On a loaded machine those sweeps outlived their 1 s call
+/// timeout, piled up server-side and starved the slices (a soak in CI failed two runs). No query
+/// of agentloop's is long enough to gain from JIT. Proven by `no_query_is_jit_compiled`
+/// (tests/tests/operations.rs). Pairs of (setting, value).
+pub const PLANNER_SETTINGS: &[(&str, &str)] = &[("enable_seqscan", "off"), ("jit", "off")];
+
+/// [`PLANNER_SETTINGS`] as `-c name=value ...` for a startup packet's `options`.
+pub fn planner_options() -> String {
+    PLANNER_SETTINGS.iter().map(|(k, v)| format!("-c {k}={v}")).collect::<Vec<_>>().join(" ")
+}
 
 /// `pg_advisory_lock` key serialising concurrent migration runs (any constant unique to agentloop).
 const MIGRATION_LOCK_KEY: i64 = 0x6167_656e_746c_6f6f; // "agentloo"
@@ -64,10 +77,10 @@ pub fn build_pool(
     statement_timeout: Duration,
 ) -> Result<PgPool, DbError> {
     let setup_sql = format!(
-        "SET application_name = '{}'; SET statement_timeout = {}; SET idle_in_transaction_session_timeout = 5000; SET {}",
+        "SET application_name = '{}'; SET statement_timeout = {}; SET idle_in_transaction_session_timeout = 5000; {}",
         application_name.replace('\'', ""),
         statement_timeout.as_millis(),
-        PLANNER_SETTINGS.replace('=', " = ")
+        PLANNER_SETTINGS.iter().map(|(k, v)| format!("SET {k} = {v};")).collect::<String>()
     );
     let mut config = ManagerConfig::default();
     config.custom_setup = Box::new(move |url| {

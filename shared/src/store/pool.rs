@@ -179,9 +179,9 @@ pub fn config_with(settings: &PoolSettings, extra_options: &str) -> Result<Confi
     config
         .application_name(&settings.application_name)
         .options(format!(
-            "-c statement_timeout={} -c idle_in_transaction_session_timeout=5000 -c TimeZone=UTC -c {} {extra_options}",
+            "-c statement_timeout={} -c idle_in_transaction_session_timeout=5000 -c TimeZone=UTC {} {extra_options}",
             settings.statement_timeout.as_millis(),
-            crate::db::PLANNER_SETTINGS
+            crate::db::planner_options()
         ))
         .connect_timeout(Duration::from_secs(5))
         .keepalives(true)
