@@ -167,6 +167,46 @@ async fn no_query_is_jit_compiled() {
     .unwrap();
 }
 
+/// A statement whose caller gave up stops (`agentloop_shared::db::CLIENT_CHECK_MS`): a store
+/// call that times out drops its connection, and the server stops the statement within about a
+/// second instead of running it on to `statement_timeout` — calls retried against a slow server
+/// used to pile up there.
+#[tokio::test]
+async fn a_statement_whose_caller_gave_up_stops() {
+    use agentloop_shared::store::{PoolSettings, Replay, Store, StoreError, Timing};
+
+    let db = agentloop_tests::TestDb::create().await.unwrap();
+    let admin = db.client().await.unwrap();
+    admin
+        .batch_execute("CREATE FUNCTION test_slow_step(p jsonb) RETURNS jsonb LANGUAGE sql AS $$ SELECT pg_sleep(20); SELECT p $$")
+        .await
+        .unwrap();
+    let settings = PoolSettings {
+        database_url: db.url.clone(),
+        application_name: "gave-up-test".into(),
+        statement_timeout: Duration::from_secs(60),
+        max_size: 1,
+        wait_timeout: Duration::from_secs(5),
+    };
+    let store = Store::new(&settings, Timing { call_timeout: Duration::from_millis(500), retry_for: Duration::from_millis(400) }).unwrap();
+    let err = store.call("test_slow_step", &json!({}), Replay::Unsafe, None).await.unwrap_err();
+    assert!(matches!(err, StoreError::OutcomeUnknown(_)), "{err:?}");
+    let gave_up = Instant::now();
+    loop {
+        let running: i64 = admin
+            .query_one("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'gave-up-test' AND state = 'active'", &[])
+            .await
+            .unwrap()
+            .get(0);
+        if running == 0 {
+            break;
+        }
+        assert!(gave_up.elapsed() < Duration::from_secs(10), "the abandoned statement still runs {:?} after its caller gave up", gave_up.elapsed());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!("the abandoned statement stopped {:?} after its caller gave up", gave_up.elapsed());
+}
+
 /// Plans do not depend on fresh statistics (issue 13): the tables are analysed while empty —
 /// what a fresh install keeps when autovacuum is off — so the planner believes `runs` and
 /// `threads` hold nothing. A session's cached plans then froze on sequential scans (the

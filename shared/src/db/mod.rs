@@ -41,6 +41,13 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
 /// (tests/tests/operations.rs). Pairs of (setting, value).
 pub const PLANNER_SETTINGS: &[(&str, &str)] = &[("enable_seqscan", "off"), ("jit", "off")];
 
+/// `client_connection_check_interval` of every api and worker connection, ms (PostgreSQL 14+):
+/// while a statement runs, its backend checks this often whether the client is still there and
+/// stops the statement when it is not. A call that timed out drops its connection; without the
+/// check its statement ran on until `statement_timeout` (30 s), and calls retried on a slow
+/// server piled up there (`a_statement_whose_caller_gave_up_stops`, tests/tests/operations.rs).
+pub const CLIENT_CHECK_MS: u64 = 1000;
+
 /// [`PLANNER_SETTINGS`] as `-c name=value ...` for a startup packet's `options`.
 pub fn planner_options() -> String {
     PLANNER_SETTINGS.iter().map(|(k, v)| format!("-c {k}={v}")).collect::<Vec<_>>().join(" ")
@@ -77,7 +84,7 @@ pub fn build_pool(
     statement_timeout: Duration,
 ) -> Result<PgPool, DbError> {
     let setup_sql = format!(
-        "SET application_name = '{}'; SET statement_timeout = {}; SET idle_in_transaction_session_timeout = 5000; {}",
+        "SET application_name = '{}'; SET statement_timeout = {}; SET idle_in_transaction_session_timeout = 5000; SET client_connection_check_interval = {CLIENT_CHECK_MS}; {}",
         application_name.replace('\'', ""),
         statement_timeout.as_millis(),
         PLANNER_SETTINGS.iter().map(|(k, v)| format!("SET {k} = {v};")).collect::<String>()

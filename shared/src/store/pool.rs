@@ -4,7 +4,10 @@
 //!
 //! Session settings travel in the startup packet (`options`), so a new connection costs no extra
 //! round trip: `application_name`, `statement_timeout`, `idle_in_transaction_session_timeout`
-//! (5 s: a process stalled inside a transaction releases its row locks) and `TimeZone=UTC`
+//! (5 s: a process stalled inside a transaction releases its row locks),
+//! `client_connection_check_interval` ([`crate::db::CLIENT_CHECK_MS`]: a statement whose caller
+//! gave up — its call timed out and the connection was dropped — stops within a second instead
+//! of running on to `statement_timeout`) and `TimeZone=UTC`
 //! (timestamps in JSON are `...+00:00`), and `crate::db::PLANNER_SETTINGS` (plans that do not
 //! depend on fresh statistics). TCP keepalives and `tcp_user_timeout` make a dead or
 //! half-open peer surface as an error instead of a hang; the caller's per-call timeout covers
@@ -179,8 +182,9 @@ pub fn config_with(settings: &PoolSettings, extra_options: &str) -> Result<Confi
     config
         .application_name(&settings.application_name)
         .options(format!(
-            "-c statement_timeout={} -c idle_in_transaction_session_timeout=5000 -c TimeZone=UTC {} {extra_options}",
+            "-c statement_timeout={} -c idle_in_transaction_session_timeout=5000 -c client_connection_check_interval={} -c TimeZone=UTC {} {extra_options}",
             settings.statement_timeout.as_millis(),
+            crate::db::CLIENT_CHECK_MS,
             crate::db::planner_options()
         ))
         .connect_timeout(Duration::from_secs(5))
