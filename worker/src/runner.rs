@@ -59,7 +59,8 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     // notifying commits are serialised by PostgreSQL through their WAL flush; see
     // `Store::with_deferred_notifications`).
     let store = Store::with_deferred_notifications(&settings, timing)?;
-    let keeper_store = Store::with_deferred_notifications(
+    // Renewals never notify: the keeper needs no flush behind each one.
+    let keeper_store = Store::new(
         &PoolSettings { max_size: 1, statement_timeout: config.renew, ..settings.clone() },
         Timing { call_timeout: config.renew, retry_for: config.renew },
     )?;

@@ -77,36 +77,25 @@ impl StoreConn {
     pub async fn call_json(&mut self, function: &str, arg: &serde_json::Value) -> Result<CallOutcome, tokio_postgres::Error> {
         let traced = arg.get("traceparent").is_some_and(serde_json::Value::is_string);
         let key = if traced { format!("{function}+trace") } else { function.to_owned() };
-        let statement = match self.statements.get(&key) {
-            Some(s) => s.clone(),
-            None => {
-                let mut argument = if traced { "agentloop_trace($1::jsonb)".to_owned() } else { "$1::jsonb".to_owned() };
-                let sql = if self.defer_notify {
-                    argument = format!("agentloop_defer({argument})");
+        let defer = self.defer_notify;
+        let statement = self
+            .prepared(key, &[Type::JSONB], || {
+                let argument = if traced { "agentloop_trace($1::jsonb)".to_owned() } else { "$1::jsonb".to_owned() };
+                if defer {
                     // OFFSET 0 keeps the call in its own plan node: it runs before the outer
                     // projection reads the setting it filled.
-                    format!("SELECT r, current_setting('agentloop.deferred', true) FROM (SELECT {function}({argument}) AS r OFFSET 0) s")
+                    format!("SELECT r, current_setting('agentloop.deferred', true) FROM (SELECT {function}(agentloop_defer({argument})) AS r OFFSET 0) s")
                 } else {
                     format!("SELECT {function}({argument})")
-                };
-                let s = self.client.prepare_typed(&sql, &[Type::JSONB]).await?;
-                self.statements.insert(key, s.clone());
-                s
-            }
-        };
+                }
+            })
+            .await?;
         if !self.defer_notify {
             let row = self.client.query_one(&statement, &[arg]).await?;
             let value = row.try_get::<_, Option<serde_json::Value>>(0)?.unwrap_or(serde_json::Value::Null);
             return Ok(CallOutcome { value, unsent: None });
         }
-        let flush = match self.statements.get(FLUSH_KEY) {
-            Some(s) => s.clone(),
-            None => {
-                let s = self.client.prepare("SELECT agentloop_flush_notify()").await?;
-                self.statements.insert(FLUSH_KEY.to_owned(), s.clone());
-                s
-            }
-        };
+        let flush = self.prepared(FLUSH_KEY.to_owned(), &[], || "SELECT agentloop_flush_notify()".to_owned()).await?;
         // Both requests are written before either answer is awaited (tokio-postgres pipelines
         // the requests of one client in the order they are first polled).
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [arg];
@@ -125,6 +114,16 @@ impl StoreConn {
             }
         };
         Ok(CallOutcome { value, unsent })
+    }
+
+    /// The statement cached under `key`, prepared from `sql()` on first use.
+    async fn prepared(&mut self, key: String, types: &[Type], sql: impl FnOnce() -> String) -> Result<Statement, tokio_postgres::Error> {
+        if let Some(s) = self.statements.get(&key) {
+            return Ok(s.clone());
+        }
+        let s = self.client.prepare_typed(&sql(), types).await?;
+        self.statements.insert(key, s.clone());
+        Ok(s)
     }
 
     /// The raw client, for ad-hoc statements (maintenance, test tools).
