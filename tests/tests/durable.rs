@@ -709,6 +709,68 @@ async fn durable_lost_claim_answers_are_readopted_and_renewals_never_wait() {
     assert_eq!(renewed[&run], "ok", "{renewed}");
 }
 
+/// Issue 9 throughput: the claim starts the slices of the runs it claimed from `queued` in its
+/// own transaction (migration 000020) — but never waits for a thread lock (every other command
+/// takes the thread before the run, so waiting would invert the lock order), never lets one
+/// run's failing start fail the claim of the others, and never starts a re-adopted run.
+#[tokio::test]
+async fn durable_the_claim_starts_fresh_runs_but_never_waits_and_never_fails_for_one() {
+    use agentloop_shared::store::{PoolSettings, Replay, Store, Timing};
+    let stack = Stack::start("durable_claimstart", StackOptions { workers: 0, ..Default::default() }).await.unwrap();
+    let c = stack.client();
+    let mut runs = Vec::new();
+    let mut threads = Vec::new();
+    for text in ["locked", "fine", "poison"] {
+        let thread = c.create_thread().await.unwrap();
+        runs.push(id(&c.chat(&thread, text).await.unwrap()["run"]));
+        threads.push(thread);
+    }
+    let db = stack.db.client().await.unwrap();
+    let model: String = db.query_one("SELECT model FROM runs WHERE id = $1::text::uuid", &[&runs[1]]).await.unwrap().get(0);
+    // The third run's start raises (a context limit that is not a number).
+    db.execute("UPDATE runs SET model = 'poison' WHERE id = $1::text::uuid", &[&runs[2]]).await.unwrap();
+    let locker = stack.db.client().await.unwrap();
+    locker.batch_execute(&format!("BEGIN; SELECT 1 FROM threads WHERE id = '{}' FOR UPDATE", threads[0])).await.unwrap();
+    let store = Store::new(
+        &PoolSettings { database_url: stack.db.url.clone(), application_name: "test".into(), statement_timeout: Duration::from_secs(10), max_size: 2, wait_timeout: Duration::from_secs(5) },
+        Timing { call_timeout: Duration::from_secs(10), retry_for: Duration::from_secs(5) },
+    )
+    .unwrap();
+    let start = json!({"limit": 16, "maxRecoveries": 5, "models": {
+        model.clone(): {"model": model, "toolTokens": 7, "contextLimit": 1000},
+        "poison": {"model": "poison", "toolTokens": 7, "contextLimit": "not a number"}}});
+    let claim = |adopt: bool| json!({"owner": "w-test", "limit": 8, "leaseMs": 60000, "inflight": [], "adopt": adopt, "start": start});
+    let began = Instant::now();
+    let first = store.call("agentloop_claim", &claim(false), Replay::Safe, None).await.unwrap();
+    assert!(began.elapsed() < Duration::from_secs(2), "the claim waited {:?} for a thread lock", began.elapsed());
+    assert_eq!(first["runs"].as_array().unwrap().len(), 3, "every run is claimed: {first}");
+    let starts = first["starts"].as_object().unwrap();
+    assert_eq!(starts.keys().collect::<Vec<_>>(), vec![&runs[1]], "only the run on a free thread with a good start: {first}");
+    let started = &starts[&runs[1]];
+    assert_eq!(started["step"]["sequence"], 1, "{started}");
+    assert_eq!(started["run"]["contextLimit"], 1000, "{started}");
+    assert!(started["context"]["messages"].as_array().is_some_and(|m| !m.is_empty()), "{started}");
+    let steps: Vec<String> = db
+        .query("SELECT run_id::text FROM run_steps ORDER BY run_id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(steps, vec![runs[1].clone()], "the failed start left nothing behind");
+    let run_events: i64 = db
+        .query_one("SELECT count(*) FROM thread_events WHERE thread_id = $1::text::uuid AND kind = 'run' AND payload ->> 'contextTokens' IS NOT NULL AND (payload ->> 'contextTokens')::int > 7", &[&threads[1]])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(run_events >= 1, "the start journaled the run with its context size");
+    locker.batch_execute("COMMIT").await.unwrap();
+    // A re-adopting pass (after a lost answer) starts nothing: the slices start their runs.
+    let again = store.call("agentloop_claim", &claim(true), Replay::Safe, None).await.unwrap();
+    assert_eq!(again["runs"].as_array().unwrap().len(), 3, "{again}");
+    assert_eq!(again["starts"], json!({}), "{again}");
+}
+
 /// Issue 9 defect 1, made deterministic: while the active run's final checkpoint is held up on
 /// the thread row (a session holds its lock), a cancel of the FIFO-pending turn behind it is
 /// sent; then the lock is released. With one lock order (thread first) the two commands

@@ -58,6 +58,12 @@ pub struct WorkerConfig {
     #[arg(long, env = "WORKER_MAX_RECOVERIES", default_value_t = 5)]
     pub max_recoveries: i32,
 
+    /// Runs a claim pass may also start (their first slice's start written in the claim's
+    /// transaction: one transaction and one round trip less per run); 0 starts none (each slice
+    /// then starts itself). At most 32 (each is a subtransaction).
+    #[arg(long, env = "WORKER_CLAIM_STARTS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(0..=32))]
+    pub claim_starts: u32,
+
     /// Idle safety poll in ms (covers a missed notification; no other periodic queue query).
     #[arg(long, env = "WORKER_SAFETY_POLL_MS", default_value = "60000", value_parser = parse_millis)]
     pub safety_poll: Duration,

@@ -233,7 +233,8 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
             let free = slots - slices.len();
             let inflight: Vec<Uuid> = in_flight.lock().expect("in-flight lock").keys().copied().collect();
             let started = Instant::now();
-            match scheduler::claim(&store, &worker_id, free, config.lease, &inflight, adopt_next).await {
+            let start = (config.claim_starts > 0).then(|| claim_start_options(&env, config.claim_starts as usize, config.max_recoveries));
+            match scheduler::claim(&store, &worker_id, free, config.lease, &inflight, adopt_next, start.as_ref()).await {
                 Ok(claimed) => {
                     adopt_next = false;
                     metrics::histogram!("agentloop_claim_duration_seconds").record(started.elapsed().as_secs_f64());
@@ -245,15 +246,17 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                         // A queued run was locked by someone else's transaction: look again soon.
                         next_timer = next_timer.min(Duration::from_millis(100));
                     }
+                    let mut starts = claimed.starts;
                     for run in claimed.runs {
-                        tracing::info!(run.id = %run.id, run.attempt = run.attempts, "claimed");
+                        let started = starts.remove(&run.id);
+                        tracing::info!(run.id = %run.id, run.attempt = run.attempts, started = started.is_some(), "claimed");
                         metrics::counter!("agentloop_claims_total").increment(1);
                         let control = SliceControl::new(run.lease_epoch);
                         in_flight.lock().expect("in-flight lock").insert(run.id, control.clone());
                         let (env, in_flight) = (env.clone(), in_flight.clone());
                         slices.spawn(async move {
                             let id = run.id;
-                            slice::execute(env, run, control).await;
+                            slice::execute(env, run, control, started).await;
                             in_flight.lock().expect("in-flight lock").remove(&id);
                         });
                     }
@@ -321,4 +324,26 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     }
     stop.cancel();
     Ok(())
+}
+
+/// What a claim pass needs to start slices itself ([`scheduler::claim::StartOptions`]): per
+/// configured model, the id recorded on the step, the tool schemas' tokens (as the slice counts
+/// them) and the context window.
+fn claim_start_options(env: &SliceEnv, limit: usize, max_recoveries: i32) -> scheduler::claim::StartOptions {
+    let specs = env.tools.specs();
+    let tool_tokens = env.schema_tokens(&specs);
+    let models = env
+        .catalog
+        .models
+        .iter()
+        .map(|m| {
+            let start = scheduler::claim::ModelStart {
+                model: m.id.clone(),
+                tool_tokens: if m.supports_tools { tool_tokens } else { 0 },
+                context_limit: m.context_tokens.map(i64::from),
+            };
+            (m.id.clone(), start)
+        })
+        .collect();
+    scheduler::claim::StartOptions { limit, max_recoveries, models }
 }

@@ -179,7 +179,10 @@ impl Slice {
 }
 
 /// Executes one slice of the claimed `run` until it ends or is aborted.
-pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl) {
+///
+/// `claim_start`: the slice start the claim already wrote for this run
+/// ([`agentloop_shared::scheduler::Claimed::starts`]); `None` to start it here.
+pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_start: Option<serde_json::Value>) {
     let lease = Lease::of(&run, env.lease);
     let span = tracing::info_span!("slice", run.id = %run.id, thread.id = %run.thread_id, run.attempt = run.attempts, lease.epoch = run.lease_epoch);
     // The run's trace context (the api request that created it): this slice joins its trace.
@@ -187,7 +190,7 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl) {
     async move {
         let started = Instant::now();
         let mut slice = Slice { env: env.clone(), lease, control: control.clone(), step_id: None, usage: Usage::default(), partial: None };
-        let outcome = match AssertUnwindSafe(body(&mut slice, &run)).catch_unwind().await {
+        let outcome = match AssertUnwindSafe(body(&mut slice, &run, claim_start)).catch_unwind().await {
             Ok(outcome) => outcome,
             Err(panic) => {
                 let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
@@ -291,7 +294,7 @@ fn precheck(env: &SliceEnv, run: &Run, control: &SliceControl) -> Result<(), Sli
     Ok(())
 }
 
-async fn body(slice: &mut Slice, run: &Run) -> Result<SliceEnd, SliceError> {
+async fn body(slice: &mut Slice, run: &Run, claim_start: Option<serde_json::Value>) -> Result<SliceEnd, SliceError> {
     let env = slice.env.clone();
     precheck(&env, run, &slice.control)?;
     let model = env
@@ -301,16 +304,21 @@ async fn body(slice: &mut Slice, run: &Run) -> Result<SliceEnd, SliceError> {
     let mut tool_specs = if model.supports_tools { env.tools.specs() } else { Vec::new() };
     let mut tool_tokens = env.schema_tokens(&tool_specs);
     let deadline = slice.control.confirmed() + env.lease.saturating_sub(env.renew / 2);
-    let started = step::start_slice(
-        &env.store,
-        &slice.lease,
-        run.steps_used + 1,
-        &model.id,
-        tool_tokens,
-        model.context_tokens.map(|t| t as i64),
-        deadline,
-    )
-    .await?;
+    let started = match claim_start {
+        Some(value) => step::started_from(value)?,
+        None => {
+            step::start_slice(
+                &env.store,
+                &slice.lease,
+                run.steps_used + 1,
+                &model.id,
+                tool_tokens,
+                model.context_tokens.map(|t| t as i64),
+                deadline,
+            )
+            .await?
+        }
+    };
     let start = match started {
         Started::Lost => return Err(SliceError::LeaseLost),
         Started::Blocked(_) => {

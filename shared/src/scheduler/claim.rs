@@ -1,8 +1,11 @@
-//! The claim (SPEC §5 "Claim"): one call of `agentloop_claim`, one statement.
+//! The claim (SPEC §5 "Claim"): one call of `agentloop_claim`, one statement. The same
+//! transaction starts the first slice of runs claimed from `queued` (migration 000020; see
+//! [`StartOptions`]), so such a run costs no separate slice-start transaction.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -20,6 +23,38 @@ pub struct Claimed {
     pub next_expiry_ms: Option<i64>,
     /// A queued run was skipped because another transaction held its row lock: look again soon.
     pub queued_left: bool,
+    /// Runs whose slice the claim already started, by run id: the raw `agentloop_slice_start`
+    /// answer, decoded with [`super::step::started_from`]. Every other run in `runs` is started
+    /// by its slice ([`super::step::start_slice`]).
+    #[serde(default)]
+    pub starts: HashMap<Uuid, serde_json::Value>,
+}
+
+/// What the claim needs to start slices itself (`p.start` of `agentloop_claim`).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StartOptions {
+    /// At most this many runs are started in the claim's transaction (each is one
+    /// subtransaction; keep it well under PostgreSQL's 64 cached subtransactions).
+    pub limit: usize,
+    /// The worker's pre-check: a run interrupted more often than this is not started (the
+    /// worker fails it `abandoned`).
+    pub max_recoveries: i32,
+    /// Per configured model id: what `agentloop_slice_start` records. A run whose model is not
+    /// listed is left to the worker (which fails it `model_not_configured`).
+    pub models: HashMap<String, ModelStart>,
+}
+
+/// The per-model part of a slice start.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelStart {
+    /// The model id recorded on the step row.
+    pub model: String,
+    /// Tokens of the tool schemas offered to this model, added to the recorded context size.
+    pub tool_tokens: i64,
+    /// The model's context window in tokens, when configured.
+    pub context_limit: Option<i64>,
 }
 
 /// Claims at most `limit` runs for `owner` under a lease of `lease` (database clock): `queued`
@@ -27,9 +62,19 @@ pub struct Claimed {
 /// `FOR UPDATE SKIP LOCKED` via the partial index `runs_claimable`. With `adopt` (set after a
 /// claim that failed: its answer may have been lost), runs `owner` holds but does not list in
 /// `inflight` are re-adopted first; and a claim whose outcome is unknown is sent again with
-/// `adopt`, so no claimed run waits for its lease to expire.
-pub async fn claim(store: &Store, owner: &str, limit: usize, lease: Duration, inflight: &[Uuid], adopt: bool) -> Result<Claimed, StoreError> {
-    let arg = json!({"owner": owner, "limit": limit, "leaseMs": lease.as_millis() as u64, "inflight": inflight, "adopt": adopt});
+/// `adopt`, so no claimed run waits for its lease to expire (adopted runs are never started by
+/// the claim: their slices start them). With `start`, the claim also starts slices (see
+/// [`StartOptions`] and [`Claimed::starts`]).
+pub async fn claim(
+    store: &Store,
+    owner: &str,
+    limit: usize,
+    lease: Duration,
+    inflight: &[Uuid],
+    adopt: bool,
+    start: Option<&StartOptions>,
+) -> Result<Claimed, StoreError> {
+    let arg = json!({"owner": owner, "limit": limit, "leaseMs": lease.as_millis() as u64, "inflight": inflight, "adopt": adopt, "start": start});
     let value = store.call("agentloop_claim", &arg, Replay::Safe, None).await?;
     serde_json::from_value(value).map_err(|e| StoreError::Deterministic { sqlstate: "XX000".into(), message: e.to_string() })
 }

@@ -114,6 +114,12 @@ pub async fn start_slice(
     arg["toolTokens"] = json!(tool_tokens);
     arg["contextLimit"] = json!(context_limit);
     let value = store.call("agentloop_slice_start", &arg, Replay::Safe, Some(deadline)).await?;
+    started_from(value)
+}
+
+/// Decodes an `agentloop_slice_start` answer: from [`start_slice`], or one the claim made
+/// ([`super::claim::Claimed::starts`]).
+pub fn started_from(value: Value) -> Result<Started, StoreError> {
     if value.get("lost").and_then(Value::as_bool) == Some(true) {
         return Ok(Started::Lost);
     }
