@@ -59,8 +59,9 @@ pub struct WorkerConfig {
     pub max_recoveries: i32,
 
     /// Runs a claim pass may also start (their first slice's start written in the claim's
-    /// transaction: one transaction and one round trip less per run); 0 starts none (each slice
-    /// then starts itself). At most 32 (each is a subtransaction).
+    /// transaction: one transaction and one round trip less per run), asked only while the
+    /// claim loop is under half busy; 0 starts none (each slice then starts itself). At most 32
+    /// (each is a subtransaction).
     #[arg(long, env = "WORKER_CLAIM_STARTS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(0..=32))]
     pub claim_starts: u32,
 
