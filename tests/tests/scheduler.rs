@@ -443,3 +443,48 @@ async fn a_queued_run_skipped_while_locked_is_claimed_once_the_lock_is_gone() {
     // on a loaded 2-core CI machine the whole run took 3.7 s once.
     assert!(released.elapsed() < Duration::from_secs(10), "completed {:?} after the lock was released", released.elapsed());
 }
+
+/// Issue 9 latency: an idle worker's claim starts the slice of a fresh run in its own
+/// transaction (migration 000020), and the slice uses that start instead of starting again (one
+/// `running` run event, one step row); with `WORKER_CLAIM_STARTS=0` the slice starts itself.
+#[tokio::test]
+async fn an_idle_workers_claim_starts_the_slice_of_a_fresh_run() {
+    for (test, starts) in [("claim_starts_on", "16"), ("claim_starts_off", "0")] {
+        let stack = Stack::start(test, StackOptions { worker_env: vec![("WORKER_CLAIM_STARTS".into(), starts.into())], ..Default::default() })
+            .await
+            .unwrap();
+        let c = stack.client();
+        let thread = c.create_thread().await.unwrap();
+        // Idle: the start-up claim pass is long over.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let run = c.chat(&thread, "hello").await.unwrap();
+        let run_id = run["run"]["id"].as_str().unwrap().to_owned();
+        let run = c.wait_terminal(&run_id, T).await.unwrap();
+        assert_eq!(run["status"], "completed", "{run}");
+        let db = stack.db.client().await.unwrap();
+        let steps: i64 = db.query_one("SELECT count(*) FROM run_steps WHERE run_id = $1::text::uuid", &[&run_id]).await.unwrap().get(0);
+        assert_eq!(steps, 1);
+        let running: i64 = db
+            .query_one(
+                "SELECT count(*) FROM thread_events WHERE thread_id = $1::text::uuid AND kind = 'run' AND payload ->> 'status' = 'running'",
+                &[&thread],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(running, 1, "the run was started once ({starts})");
+        let raw = std::fs::read_to_string(agentloop_tests::log_dir(test).join("worker-0.log")).unwrap();
+        // Without the terminal colours (ESC [ ... m).
+        let mut log = String::with_capacity(raw.len());
+        let mut rest = raw.as_str();
+        while let Some(at) = rest.find('\u{1b}') {
+            log.push_str(&rest[..at]);
+            rest = &rest[at..];
+            rest = rest.find('m').map_or("", |end| &rest[end + 1..]);
+        }
+        log.push_str(rest);
+        let claimed = log.lines().find(|l| l.contains("claimed") && l.contains(&run_id)).unwrap_or_else(|| panic!("no claim line in\n{log}"));
+        let expected = if starts == "0" { "started=false" } else { "started=true" };
+        assert!(claimed.contains(expected), "{claimed}");
+    }
+}
