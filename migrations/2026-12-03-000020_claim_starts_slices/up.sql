@@ -1,19 +1,21 @@
 -- The claim starts the slices it claims (issue 9: one transaction less per run, one round trip
 -- less between enqueue and slice start).
 --
--- `agentloop_claim` takes an optional p.start = {limit, maxRecoveries, models: {<run model>:
--- {model, toolTokens, contextLimit}}}. For at most `limit` of the runs it claimed from `queued`
--- (never a recovery: those may have operations to mark uncertain first, which the worker's own
--- `agentloop_slice_start` call does), whose model is in `models`, that pass the worker's
+-- `agentloop_claim` takes an optional p.start = {limit, maxRecoveries, maxBytes, models: {<run
+-- model>: {model, toolTokens, contextLimit}}}. For at most `limit` of the runs it claimed from
+-- `queued` (new, requeued, handed back or resumed runs; a run recovered from an expired lease
+-- or re-adopted is left to its slice) whose model is in `models` and that pass the worker's
 -- pre-checks (faults <= maxRecoveries, no cancel requested, a step left), it runs
 -- `agentloop_slice_start` in the claim's transaction and answers its result under
--- `starts[<runId>]`. The worker starts every other claimed run itself, as before.
+-- `starts[<runId>]`, until the starts reach `maxBytes` (pg_column_size; default 4 MiB). The
+-- worker starts every other claimed run itself, as before.
 --
 -- Lock order: the claim holds its runs' row locks and then takes a thread lock. Every other
 -- command takes the thread first, so the thread lock is tried with SKIP LOCKED and never waited
 -- for: a busy thread's run is simply started by the worker afterwards. Each start runs in its own
--- subtransaction, so a run whose start fails (whatever the error) cannot fail the claim of the
--- others; its worker start meets the same error and classifies it.
+-- subtransaction, so a run whose start raises an error cannot fail the claim of the others; its
+-- worker start meets the same error and classifies it. (A cancelled statement — a timeout — is
+-- not caught and fails the whole claim; the worker's next pass then asks for no starts.)
 CREATE OR REPLACE FUNCTION agentloop_claim(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_owner text := p ->> 'owner';
@@ -25,6 +27,7 @@ DECLARE
     v_fresh uuid[];
     v_starts jsonb := '{}'::jsonb;
     v_n int;
+    v_started int := 0;
     v_id uuid;
     fr runs;
     m jsonb;
@@ -61,7 +64,9 @@ BEGIN
       INTO v_claimed, v_fresh FROM u;
 
     IF jsonb_typeof(v_start) = 'object' THEN
-        FOREACH v_id IN ARRAY v_fresh[1:greatest(coalesce((v_start ->> 'limit')::int, 0), 0)] LOOP
+        FOREACH v_id IN ARRAY v_fresh LOOP
+            EXIT WHEN v_started >= coalesce((v_start ->> 'limit')::int, 0)
+                   OR pg_column_size(v_starts) >= coalesce((v_start ->> 'maxBytes')::bigint, 4194304);
             SELECT * INTO fr FROM runs WHERE id = v_id;
             m := v_start -> 'models' -> fr.model;
             CONTINUE WHEN jsonb_typeof(m) IS DISTINCT FROM 'object'
@@ -75,6 +80,7 @@ BEGIN
                         'runId', fr.id, 'threadId', fr.thread_id, 'owner', v_owner, 'epoch', fr.lease_epoch,
                         'leaseMs', (p ->> 'leaseMs')::bigint, 'stepSequence', fr.steps_used + 1,
                         'model', m -> 'model', 'toolTokens', m -> 'toolTokens', 'contextLimit', m -> 'contextLimit')));
+                    v_started := v_started + 1;
                 END IF;
             EXCEPTION WHEN OTHERS THEN
                 -- Rolled back to before this start; the worker starts the run itself.

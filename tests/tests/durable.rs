@@ -720,7 +720,7 @@ async fn durable_the_claim_starts_fresh_runs_but_never_waits_and_never_fails_for
     let c = stack.client();
     let mut runs = Vec::new();
     let mut threads = Vec::new();
-    for text in ["locked", "fine", "poison"] {
+    for text in ["locked", "fine", "poison", "recovered"] {
         let thread = c.create_thread().await.unwrap();
         runs.push(id(&c.chat(&thread, text).await.unwrap()["run"]));
         threads.push(thread);
@@ -729,6 +729,14 @@ async fn durable_the_claim_starts_fresh_runs_but_never_waits_and_never_fails_for
     let model: String = db.query_one("SELECT model FROM runs WHERE id = $1::text::uuid", &[&runs[1]]).await.unwrap().get(0);
     // The third run's start raises (a context limit that is not a number).
     db.execute("UPDATE runs SET model = 'poison' WHERE id = $1::text::uuid", &[&runs[2]]).await.unwrap();
+    // The fourth was held by a worker that died: its lease expired. The claim recovers it but
+    // leaves its start to its slice.
+    db.execute(
+        "UPDATE runs SET status = 'running', lease_owner = 'dead', lease_epoch = 1, attempts = 1, lease_expires_at = now() - interval '1 second' WHERE id = $1::text::uuid",
+        &[&runs[3]],
+    )
+    .await
+    .unwrap();
     let locker = stack.db.client().await.unwrap();
     locker.batch_execute(&format!("BEGIN; SELECT 1 FROM threads WHERE id = '{}' FOR UPDATE", threads[0])).await.unwrap();
     let store = Store::new(
@@ -743,9 +751,9 @@ async fn durable_the_claim_starts_fresh_runs_but_never_waits_and_never_fails_for
     let began = Instant::now();
     let first = store.call("agentloop_claim", &claim(false), Replay::Safe, None).await.unwrap();
     assert!(began.elapsed() < Duration::from_secs(2), "the claim waited {:?} for a thread lock", began.elapsed());
-    assert_eq!(first["runs"].as_array().unwrap().len(), 3, "every run is claimed: {first}");
+    assert_eq!(first["runs"].as_array().unwrap().len(), 4, "every run is claimed: {first}");
     let starts = first["starts"].as_object().unwrap();
-    assert_eq!(starts.keys().collect::<Vec<_>>(), vec![&runs[1]], "only the run on a free thread with a good start: {first}");
+    assert_eq!(starts.keys().collect::<Vec<_>>(), vec![&runs[1]], "only the queued run on a free thread with a good start: {first}");
     let started = &starts[&runs[1]];
     assert_eq!(started["step"]["sequence"], 1, "{started}");
     assert_eq!(started["run"]["contextLimit"], 1000, "{started}");
@@ -767,7 +775,7 @@ async fn durable_the_claim_starts_fresh_runs_but_never_waits_and_never_fails_for
     locker.batch_execute("COMMIT").await.unwrap();
     // A re-adopting pass (after a lost answer) starts nothing: the slices start their runs.
     let again = store.call("agentloop_claim", &claim(true), Replay::Safe, None).await.unwrap();
-    assert_eq!(again["runs"].as_array().unwrap().len(), 3, "{again}");
+    assert_eq!(again["runs"].as_array().unwrap().len(), 4, "{again}");
     assert_eq!(again["starts"], json!({}), "{again}");
 }
 

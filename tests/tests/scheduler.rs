@@ -455,13 +455,14 @@ async fn an_idle_workers_claim_starts_the_slice_of_a_fresh_run() {
             .unwrap();
         let c = stack.client();
         let thread = c.create_thread().await.unwrap();
-        // Idle: the start-up claim pass is long over.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        let db = stack.db.client().await.unwrap();
+        // Idle: the worker listens, and its start-up claim pass is long over.
+        wait_listener(&db, "agentloop-worker-listener", None).await;
+        tokio::time::sleep(Duration::from_millis(1000)).await;
         let run = c.chat(&thread, "hello").await.unwrap();
         let run_id = run["run"]["id"].as_str().unwrap().to_owned();
         let run = c.wait_terminal(&run_id, T).await.unwrap();
         assert_eq!(run["status"], "completed", "{run}");
-        let db = stack.db.client().await.unwrap();
         let steps: i64 = db.query_one("SELECT count(*) FROM run_steps WHERE run_id = $1::text::uuid", &[&run_id]).await.unwrap().get(0);
         assert_eq!(steps, 1);
         let running: i64 = db

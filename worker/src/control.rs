@@ -48,13 +48,14 @@ pub struct SliceControl {
 }
 
 impl SliceControl {
-    /// A control for a run just claimed with fencing token `epoch` (its lease confirmed now).
-    pub fn new(epoch: i64) -> Self {
+    /// A control for a run claimed with fencing token `epoch` by a claim sent at `claimed`
+    /// (the database started the lease after that instant, so counting from it is safe).
+    pub fn new(epoch: i64, claimed: Instant) -> Self {
         Self {
             epoch,
             token: CancellationToken::new(),
             effects: CancellationToken::new(),
-            state: Arc::new(Mutex::new(State { reason: None, confirmed: Instant::now(), ended: false })),
+            state: Arc::new(Mutex::new(State { reason: None, confirmed: claimed, ended: false })),
         }
     }
 

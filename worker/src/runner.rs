@@ -241,7 +241,9 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
             // more runs (bench-scheduler: 280 vs 330 runs/s on 2 cores). So the claim starts
             // slices only while the claim loop has spare time: the gap since the last pass
             // ended is at least as long as that pass took (under half busy).
-            let spare = last_pass.is_none_or(|(ended, took): (Instant, Duration)| ended.elapsed() >= took);
+            // Never right after a failed pass: a claim whose starts fail as a whole (a timeout, a
+            // cancelled statement, which no subtransaction catches) must not fail every pass.
+            let spare = !adopt_next && last_pass.is_none_or(|(ended, took): (Instant, Duration)| ended.elapsed() >= took);
             let start = (config.claim_starts > 0 && spare).then(|| claim_start_options(&env, config.claim_starts as usize, config.max_recoveries));
             match scheduler::claim(&store, &worker_id, free, config.lease, &inflight, adopt_next, start.as_ref()).await {
                 Ok(claimed) => {
@@ -258,15 +260,15 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                     }
                     let mut starts = claimed.starts;
                     for run in claimed.runs {
-                        let started = starts.remove(&run.id);
-                        tracing::info!(run.id = %run.id, run.attempt = run.attempts, started = started.is_some(), "claimed");
+                        let claim_start = starts.remove(&run.id);
+                        tracing::info!(run.id = %run.id, run.attempt = run.attempts, started = claim_start.is_some(), "claimed");
                         metrics::counter!("agentloop_claims_total").increment(1);
-                        let control = SliceControl::new(run.lease_epoch);
+                        let control = SliceControl::new(run.lease_epoch, started);
                         in_flight.lock().expect("in-flight lock").insert(run.id, control.clone());
                         let (env, in_flight) = (env.clone(), in_flight.clone());
                         slices.spawn(async move {
                             let id = run.id;
-                            slice::execute(env, run, control, started).await;
+                            slice::execute(env, run, control, claim_start).await;
                             in_flight.lock().expect("in-flight lock").remove(&id);
                         });
                     }
@@ -336,6 +338,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     Ok(())
 }
 
+/// Size budget of the slice starts one claim answers (their contexts), in bytes: the claim stops
+/// starting runs once its answer is this large; the rest start themselves.
+const CLAIM_STARTS_MAX_BYTES: i64 = 4 << 20;
+
 /// What a claim pass needs to start slices itself ([`scheduler::claim::StartOptions`]): per
 /// configured model, the id recorded on the step, the tool schemas' tokens (as the slice counts
 /// them) and the context window.
@@ -355,5 +361,5 @@ fn claim_start_options(env: &SliceEnv, limit: usize, max_recoveries: i32) -> sch
             (m.id.clone(), start)
         })
         .collect();
-    scheduler::claim::StartOptions { limit, max_recoveries, models }
+    scheduler::claim::StartOptions { limit, max_recoveries, max_bytes: CLAIM_STARTS_MAX_BYTES, models }
 }

@@ -304,6 +304,7 @@ async fn body(slice: &mut Slice, run: &Run, claim_start: Option<serde_json::Valu
     let mut tool_specs = if model.supports_tools { env.tools.specs() } else { Vec::new() };
     let mut tool_tokens = env.schema_tokens(&tool_specs);
     let deadline = slice.control.confirmed() + env.lease.saturating_sub(env.renew / 2);
+    let from_claim = claim_start.is_some();
     let started = match claim_start {
         Some(value) => step::started_from(value)?,
         None => {
@@ -327,7 +328,11 @@ async fn body(slice: &mut Slice, run: &Run, claim_start: Option<serde_json::Valu
         }
         Started::Ready(start) => start,
     };
-    slice.control.confirm();
+    // A start made by the claim extended the lease no later than the claim was sent, which
+    // is what the control already counts from.
+    if !from_claim {
+        slice.control.confirm();
+    }
     slice.step_id = Some(start.step.id);
     tracing::info!(step.sequence = start.step.sequence, model.name = %model.id, run.kind = %run.kind, "slice started");
     if run.kind == agentloop_shared::runs::kind::COMPACTION {

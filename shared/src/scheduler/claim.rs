@@ -40,6 +40,10 @@ pub struct StartOptions {
     /// The worker's pre-check: a run interrupted more often than this is not started (the
     /// worker fails it `abandoned`).
     pub max_recoveries: i32,
+    /// Size budget of the starts in one claim answer, in bytes (`pg_column_size` of the
+    /// `starts` object): no further run is started once it is reached, so the answer and the
+    /// time the claim holds its locks stay bounded however large the threads' contexts are.
+    pub max_bytes: i64,
     /// Per configured model id: what `agentloop_slice_start` records. A run whose model is not
     /// listed is left to the worker (which fails it `model_not_configured`).
     pub models: HashMap<String, ModelStart>,
