@@ -709,6 +709,54 @@ async fn durable_lost_claim_answers_are_readopted_and_renewals_never_wait() {
     assert_eq!(renewed[&run], "ok", "{renewed}");
 }
 
+/// Issue 9 ("a step whose commit outcome is unknown is re-read, not guessed"), for the claim:
+/// when a claim's answer is lost after PostgreSQL committed it, the store must not send the same
+/// claim again (it would find nothing to claim and the runs the lost attempt took would wait for
+/// their lease to expire, counting a fault). It reports the unknown outcome, and the next pass,
+/// sent with `adopt`, gets the run back with the same fencing token.
+#[tokio::test]
+async fn durable_a_claim_whose_answer_is_lost_is_not_replayed_but_readopted() {
+    use agentloop_shared::scheduler;
+    use agentloop_shared::store::{PoolSettings, Store, StoreError, Timing};
+    let stack = Stack::start("durable_claim_lost", StackOptions { workers: 0, workers_through_proxy: true, ..Default::default() }).await.unwrap();
+    let proxy = stack.proxy.as_ref().unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let run = id(&c.chat(&thread, "hello").await.unwrap()["run"]);
+    let db = stack.db.client().await.unwrap();
+    // The claim of this owner takes a second on the server: time to withhold its answer.
+    db.batch_execute(
+        "CREATE FUNCTION test_slow_claim() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+             IF NEW.lease_owner = 'w-lost' AND OLD.status = 'queued' THEN PERFORM pg_sleep(1); END IF; RETURN NEW; END $$;
+         CREATE TRIGGER test_slow_claim BEFORE UPDATE ON runs FOR EACH ROW EXECUTE FUNCTION test_slow_claim();",
+    )
+    .await
+    .unwrap();
+    let store = Store::new(
+        &PoolSettings { database_url: proxy.url(&stack.db.url), application_name: "test".into(), statement_timeout: Duration::from_secs(10), max_size: 2, wait_timeout: Duration::from_secs(5) },
+        Timing { call_timeout: Duration::from_secs(2), retry_for: Duration::from_secs(8) },
+    )
+    .unwrap();
+    let lease = Duration::from_secs(60);
+    let claim = tokio::spawn({
+        let store = store.clone();
+        async move { scheduler::claim(&store, "w-lost", 4, lease, &[], false, None).await }
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    proxy.freeze_all();
+    let outcome = claim.await.unwrap();
+    assert!(matches!(outcome, Err(StoreError::OutcomeUnknown(_))), "the lost claim must report an unknown outcome, got {outcome:?}");
+    // PostgreSQL did commit it.
+    let owner: Option<String> = db.query_one("SELECT lease_owner FROM runs WHERE id = $1::text::uuid", &[&run]).await.unwrap().get(0);
+    assert_eq!(owner.as_deref(), Some("w-lost"));
+    proxy.pass();
+    let again = scheduler::claim(&store, "w-lost", 4, lease, &[], true, None).await.unwrap();
+    assert_eq!(again.runs.len(), 1, "{again:?}");
+    assert_eq!(again.runs[0].id.to_string(), run);
+    assert_eq!(again.runs[0].lease_epoch, 1, "the same fencing token");
+    assert_eq!(again.runs[0].recoveries, 0);
+}
+
 /// Issue 9 throughput: the claim starts the slices of the runs it claimed from `queued` in its
 /// own transaction (migration 000020) — but never waits for a thread lock (every other command
 /// takes the thread before the run, so waiting would invert the lock order), never lets one

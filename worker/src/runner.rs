@@ -276,7 +276,13 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                 Err(error) => {
                     adopt_next = true;
                     tracing::warn!(%error, "claim pass failed; retrying");
-                    next_timer = Duration::from_secs(1);
+                    // A lost answer is re-read at once (the next pass re-adopts what it claimed);
+                    // a database that stayed away for the store's whole retry window, in a second.
+                    next_timer = if matches!(error, agentloop_shared::store::StoreError::OutcomeUnknown(_)) {
+                        Duration::from_millis(20)
+                    } else {
+                        Duration::from_secs(1)
+                    };
                 }
             }
         }

@@ -65,8 +65,9 @@ pub struct ModelStart {
 /// runs and `running` runs whose lease expired (recovery needs no sweeper), in creation order,
 /// `FOR UPDATE SKIP LOCKED` via the partial index `runs_claimable`. With `adopt` (set after a
 /// claim that failed: its answer may have been lost), runs `owner` holds but does not list in
-/// `inflight` are re-adopted first; and a claim whose outcome is unknown is sent again with
-/// `adopt`, so no claimed run waits for its lease to expire (adopted runs are never started by
+/// `inflight` are re-adopted first; and a claim whose outcome is unknown
+/// ([`StoreError::OutcomeUnknown`]) is sent again by the caller with `adopt`, so no claimed run
+/// waits for its lease to expire (adopted runs are never started by
 /// the claim: their slices start them). With `start`, the claim also starts slices (see
 /// [`StartOptions`] and [`Claimed::starts`]).
 pub async fn claim(
@@ -79,6 +80,9 @@ pub async fn claim(
     start: Option<&StartOptions>,
 ) -> Result<Claimed, StoreError> {
     let arg = json!({"owner": owner, "limit": limit, "leaseMs": lease.as_millis() as u64, "inflight": inflight, "adopt": adopt, "start": start});
-    let value = store.call("agentloop_claim", &arg, Replay::Safe, None).await?;
+    // Not replayed by the store: the same argument sent again would not re-adopt what a lost
+    // attempt claimed (those runs would wait for their lease to expire and count a fault). The
+    // caller sends its next pass with `adopt` instead.
+    let value = store.call("agentloop_claim", &arg, Replay::Unsafe, None).await?;
     serde_json::from_value(value).map_err(|e| StoreError::Deterministic { sqlstate: "XX000".into(), message: e.to_string() })
 }
