@@ -28,8 +28,14 @@ struct OAuthMcp {
 }
 
 fn start_oauth_mcp() -> OAuthMcp {
+    start_oauth_mcp_with(&[])
+}
+
+/// [`start_oauth_mcp`] with more server arguments.
+fn start_oauth_mcp_with(extra: &[&str]) -> OAuthMcp {
     let mut child = Command::new(bin_dir().join("mcp-test-server"))
         .args(["--listen", "127.0.0.1:0", "--oauth"])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .stdin(Stdio::null())
@@ -397,8 +403,12 @@ async fn signin_expired_or_interrupted_asks_again_and_one_signin_resumes_every_w
     drop(db);
 
     // Two runs wait on the same server; signing in for one resumes both (the link of the
-    // second is completed by the first's token). A stack with the default 10 min links.
+    // second is completed by the first's token). A stack with the default 10 min links. The
+    // server answers session opens and calls 300 ms late, so the two resumed calls (same
+    // principal, same token) open their sessions concurrently: the second must not close the
+    // first's session under its call (which then ended "answer stream closed": uncertain).
     drop(stack);
+    let mcp = start_oauth_mcp_with(&["--slow-ms", "300"]);
     let stack = start("mcp_signin_siblings", &mcp).await;
     let c = stack.client();
     let (_, run) = chat(&c, "ay").await;

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use rmcp::model::{CallToolRequestParams, CallToolResult, ContentBlock, MetaObject, RequestMetaObject};
-use rmcp::service::{ClientInitializeError, Peer, RoleClient, RunningService, ServiceError, ServiceExt};
+use rmcp::service::{ClientInitializeError, RoleClient, RunningService, ServiceError, ServiceExt};
 use rmcp::transport::common::client_side_sse::ExponentialBackoff;
 use rmcp::transport::streamable_http_client::StreamableHttpError;
 use serde::{Deserialize, Serialize};
@@ -90,9 +90,12 @@ pub struct AuthChallenge {
     pub had_token: bool,
 }
 
-/// A (principal, server) session of an `auth: oauth` server.
+/// A (principal, server) session of an `auth: oauth` server. Shared: every call holds its own
+/// reference while it runs, so a session replaced or dropped from the map (a concurrent call
+/// opened another, a call failed) is closed only when its last call has finished — never under
+/// another call in flight (which would then end "answer stream closed", an unknown outcome).
 struct Session {
-    client: Client,
+    client: Arc<Client>,
     /// SHA-256 of the token the session was opened with.
     fingerprint: Option<String>,
     used: Instant,
@@ -114,7 +117,8 @@ pub fn fingerprint(token: &str) -> String {
 /// Connection state of a server.
 #[derive(Default)]
 struct State {
-    client: Option<Client>,
+    /// Shared as [`Session::client`] is, for the same reason.
+    client: Option<Arc<Client>>,
     last_error: Option<String>,
     last_attempt: Option<Instant>,
 }
@@ -198,7 +202,7 @@ impl McpServer {
         let result = match tokio::time::timeout(timeout, self.open()).await {
             Ok(Ok((client, tools))) => {
                 *self.tools.write().expect("mcp tools lock") = tools;
-                state.client = Some(client);
+                state.client = Some(Arc::new(client));
                 state.last_error = None;
                 tracing::info!(mcp.server = %self.config.name, tools = self.tools().len(), "MCP server connected");
                 Ok(())
@@ -312,10 +316,10 @@ impl McpServer {
         Duration::from_millis(self.config.call_timeout_ms.unwrap_or(DEFAULT_MCP_CALL_TIMEOUT_MS))
     }
 
-    async fn peer(&self) -> Result<Peer<RoleClient>, String> {
+    async fn peer(&self) -> Result<Arc<Client>, String> {
         self.connect(false).await?;
         let state = self.state.lock().await;
-        state.client.as_ref().map(|c| c.peer().clone()).ok_or_else(|| "not connected".to_owned())
+        state.client.clone().ok_or_else(|| "not connected".to_owned())
     }
 
     async fn forget(&self) {
@@ -328,7 +332,7 @@ impl McpServer {
     /// is sent is failed).
     /// The peer of `credential`'s own session, opened (with their token) unless one with the
     /// same token is open.
-    async fn principal_peer(&self, credential: &McpCredential) -> Result<Peer<RoleClient>, ToolError> {
+    async fn principal_peer(&self, credential: &McpCredential) -> Result<Arc<Client>, ToolError> {
         let name = &self.config.name;
         let print = credential.token.as_deref().map(fingerprint);
         {
@@ -336,7 +340,7 @@ impl McpServer {
             if let Some(session) = sessions.get_mut(&credential.principal) {
                 if session.fingerprint == print && !session.client.is_closed() {
                     session.used = Instant::now();
-                    return Ok(session.client.peer().clone());
+                    return Ok(session.client.clone());
                 }
                 sessions.remove(&credential.principal);
             }
@@ -354,15 +358,23 @@ impl McpServer {
             Ok(Err(OpenError::Other(error))) => return Err(ToolError::Failed(format!("MCP server `{name}` is unavailable: {error}"))),
             Err(_) => return Err(ToolError::Failed(format!("MCP server `{name}` is unavailable: no answer within {} ms", timeout.as_millis()))),
         };
-        let peer = client.peer().clone();
+        let client = Arc::new(client);
         let mut sessions = self.sessions.lock().await;
+        if let Some(session) = sessions.get_mut(&credential.principal)
+            && session.fingerprint == print
+            && !session.client.is_closed()
+        {
+            // A concurrent call opened one meanwhile: share it (ours closes when dropped here).
+            session.used = Instant::now();
+            return Ok(session.client.clone());
+        }
         if sessions.len() >= MAX_PRINCIPAL_SESSIONS
             && let Some(oldest) = sessions.iter().min_by_key(|(_, s)| s.used).map(|(id, _)| *id)
         {
             sessions.remove(&oldest);
         }
-        sessions.insert(credential.principal, Session { client, fingerprint: print, used: Instant::now() });
-        Ok(peer)
+        sessions.insert(credential.principal, Session { client: client.clone(), fingerprint: print, used: Instant::now() });
+        Ok(client)
     }
 
     /// Calls `remote` with `args`; the result text, or a tool error the model can read
@@ -372,7 +384,8 @@ impl McpServer {
     async fn call(&self, remote: &str, args: Value, key: &str, credential: Option<&McpCredential>) -> Result<String, ToolError> {
         let name = &self.config.name;
         let oauth = self.config.auth.is_some();
-        let peer = match (oauth, credential) {
+        // The session is held (not just its peer) until the call ends: see [`Session`].
+        let client = match (oauth, credential) {
             (true, Some(credential)) => self.principal_peer(credential).await?,
             (true, None) => return Err(ToolError::Failed(format!("MCP server `{name}` acts for a signed-in user, and this call has none"))),
             (false, _) => self.peer().await.map_err(|e| ToolError::Failed(format!("MCP server `{name}` is unavailable: {e}")))?,
@@ -386,7 +399,7 @@ impl McpServer {
         let mut params = CallToolRequestParams::new(remote.to_owned()).with_arguments(arguments);
         params.meta = Some(RequestMetaObject(MetaObject(meta)));
         let timeout = self.call_timeout();
-        match tokio::time::timeout(timeout, peer.call_tool(params)).await {
+        match tokio::time::timeout(timeout, client.peer().call_tool(params)).await {
             Ok(Ok(result)) => result_text(result),
             Ok(Err(error)) => {
                 if !matches!(error, ServiceError::McpError(_)) {

@@ -73,6 +73,10 @@ struct Args {
     /// Protect tool calls with OAuth and serve an authorization server (see the module docs).
     #[arg(long)]
     oauth: bool,
+    /// With `--oauth`: every `initialize` and `tools/call` POST is answered this many ms late
+    /// (overlaps concurrent session opens and calls, deterministically).
+    #[arg(long, default_value_t = 0)]
+    slow_ms: u64,
 }
 
 /// The OAuth side of `--oauth`.
@@ -366,6 +370,7 @@ async fn main() -> anyhow::Result<()> {
     loop {
         let (stream, _) = listener.accept().await?;
         let (mcp, calls, oauth) = (mcp.clone(), calls.clone(), oauth.clone());
+        let slow_ms = args.slow_ms;
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |request: Request<Incoming>| {
                 let (mcp, calls, oauth) = (mcp.clone(), calls.clone(), oauth.clone());
@@ -382,6 +387,9 @@ async fn main() -> anyhow::Result<()> {
                                 let (parts, incoming) = request.into_parts();
                                 let bytes = incoming.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
                                 let message: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                                if slow_ms > 0 && (message["method"] == "initialize" || message["method"] == "tools/call") {
+                                    tokio::time::sleep(std::time::Duration::from_millis(slow_ms)).await;
+                                }
                                 if message["method"] == "tools/call" && oauth.user(&parts.headers).is_none() {
                                     oauth.denied.lock().expect("denied lock").push(json!({
                                         "tool": message["params"]["name"],
