@@ -167,6 +167,88 @@ async fn no_query_is_jit_compiled() {
     .unwrap();
 }
 
+/// The workers' step statements are planned once per session (migration 000021). The plan cache
+/// re-plans a statement with parameters on every execution when its generic plan looks costlier
+/// than its custom plans, and the claim (`LIMIT v_n`), the slice start's answer (a `CASE` on a
+/// variable) and the journal positions of agentloop_notify (`= ANY($1)`) were in that state, as
+/// was the search text of every message (a SQL function with a subquery is planned on every
+/// call). `log_planner_stats` reports every planning, nested ones included, as a LOG message: a
+/// session running the worker's claim (with a start) and commit, with the production planner
+/// settings, must report none once warm.
+#[tokio::test]
+async fn step_functions_are_planned_once_per_session() {
+    use futures_util::StreamExt;
+    let db = agentloop_tests::TestDb::create().await.unwrap();
+    let admin = db.client().await.unwrap();
+    let runs = 16;
+    admin
+        .batch_execute(&format!(
+            "INSERT INTO principals (id, name) VALUES ('00000000-0000-0000-0000-0000000000aa', 'planner');
+             WITH t AS (
+                 INSERT INTO threads (id, owner_id, title, message_count, last_sequence, last_timestamp_ms)
+                 SELECT gen_random_uuid(), '00000000-0000-0000-0000-0000000000aa', 'plans', 1, 1,
+                        (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+                   FROM generate_series(1, {runs}) RETURNING id, last_timestamp_ms
+             ), m AS (
+                 INSERT INTO messages (thread_id, sequence, timestamp_ms, role, content, token_estimate, byte_size)
+                 SELECT id, 1, last_timestamp_ms, 'user', to_jsonb('hi'::text), 1, 4 FROM t
+             )
+             INSERT INTO runs (id, thread_id, principal_id, status, model, queued_at)
+             SELECT gen_random_uuid(), id, '00000000-0000-0000-0000-0000000000aa', 'queued', 'mock', now() FROM t;"
+        ))
+        .await
+        .unwrap();
+
+    let (client, mut conn) = tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
+    let (tx, mut logs) = tokio::sync::mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| conn.poll_message(cx));
+        while let Some(Ok(m)) = messages.next().await {
+            if let tokio_postgres::AsyncMessage::Notice(n) = m {
+                let _ = tx.send(n.message().to_owned());
+            }
+        }
+    });
+    for (name, value) in agentloop_shared::db::PLANNER_SETTINGS {
+        client.batch_execute(&format!("SET {name} = {value}")).await.unwrap();
+    }
+    client.batch_execute("SET client_min_messages = log; SET log_planner_stats = on").await.unwrap();
+    // The statements as the workers send them: prepared once, arguments wrapped in agentloop_defer.
+    let claim = client.prepare("SELECT agentloop_claim(agentloop_defer($1::text::jsonb))::text").await.unwrap();
+    let commit = client.prepare("SELECT agentloop_commit(agentloop_defer($1::text::jsonb))::text").await.unwrap();
+    let flush = client.prepare("SELECT agentloop_flush_notify()").await.unwrap();
+    let mut planned = Vec::new();
+    for i in 0..runs {
+        while logs.try_recv().is_ok() {}
+        let p = json!({"owner": "w-plans", "limit": 1, "leaseMs": 60000, "inflight": [], "adopt": false,
+                       "start": {"limit": 1, "models": {"mock": {"model": "mock", "toolTokens": 0, "contextLimit": 100000}}}});
+        let claimed: serde_json::Value = serde_json::from_str(&client.query_one(&claim, &[&p.to_string()]).await.unwrap().get::<_, String>(0)).unwrap();
+        client.query_one(&flush, &[]).await.unwrap();
+        let run = &claimed["runs"][0];
+        let run_id = run["id"].as_str().unwrap().to_owned();
+        let started = &claimed["starts"][&run_id];
+        assert!(started["step"]["id"].is_i64(), "the claim started the run: {claimed}");
+        let p = json!({"commitId": format!("c{i}"), "runId": run_id, "threadId": run["threadId"], "owner": "w-plans",
+                       "epoch": run["leaseEpoch"], "leaseMs": 60000, "stepId": started["step"]["id"],
+                       "messages": [{"role": "assistant", "content": "hello there", "tokenEstimate": 2, "byteSize": 13}],
+                       "usage": {"modelCalls": 1}, "end": {"status": "completed"}});
+        let committed: serde_json::Value = serde_json::from_str(&client.query_one(&commit, &[&p.to_string()]).await.unwrap().get::<_, String>(0)).unwrap();
+        assert_eq!(committed["status"], "completed", "{committed}");
+        client.query_one(&flush, &[]).await.unwrap();
+        // A round trip, so every LOG message of the cycle has arrived.
+        client.batch_execute("SELECT 1").await.unwrap();
+        let mut n = 0;
+        while let Ok(m) = logs.try_recv() {
+            n += usize::from(m.contains("PLANNER STATISTICS"));
+        }
+        planned.push(n);
+    }
+    println!("plannings per claim + commit cycle: {planned:?}");
+    assert!(planned[0] > 0, "log_planner_stats reports nothing: the test cannot see planning");
+    // The last cycles: the simple `SELECT 1` above is planned each time, nothing else.
+    assert!(planned[runs - 4..].iter().all(|n| *n <= 1), "statements re-planned on every run: {planned:?}");
+}
+
 /// A statement whose caller gave up stops (`agentloop_shared::db::CLIENT_CHECK_MS`): a store
 /// call that times out drops its connection, and the server stops the statement within about a
 /// second instead of running it on to `statement_timeout` — calls retried against a slow server

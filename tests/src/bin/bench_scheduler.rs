@@ -831,6 +831,9 @@ struct Throughput {
     xact_rollback: i64,
     polls: u64,
     pgss: Option<(i64, Vec<(String, i64)>)>,
+    /// Plannings and planning time (ms) over phase 1, nested statements included, when
+    /// `pg_stat_statements.track_planning` is on.
+    planning: Option<(i64, f64)>,
     cpu: String,
     enqueue: Duration,
 }
@@ -913,6 +916,18 @@ async fn throughput_phase(env: &mut Env) -> Result<Throughput> {
     } else {
         None
     };
+    let planning = if pgss.is_some() && c.query_one("SHOW pg_stat_statements.track_planning", &[]).await?.get::<_, String>(0) == "on" {
+        let row = c
+            .query_one(
+                "SELECT coalesce(sum(plans), 0)::int8, coalesce(sum(total_plan_time), 0)::float8 FROM pg_stat_statements
+                 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                &[],
+            )
+            .await?;
+        Some((row.get(0), row.get(1)))
+    } else {
+        None
+    };
     Ok(Throughput {
         runs,
         wall,
@@ -924,6 +939,7 @@ async fn throughput_phase(env: &mut Env) -> Result<Throughput> {
         xact_rollback: after.1 - before.1,
         polls,
         pgss,
+        planning,
         cpu,
         enqueue: enqueue_took,
     })
@@ -2124,6 +2140,16 @@ async fn bench(args: Args, nofile: u64) -> Result<()> {
                     );
                     for (q, c) in list.iter().take(25) {
                         println!("     {:>7.3}  {q}", *c as f64 / f64::from(t.runs));
+                    }
+                    match t.planning {
+                        // Migration 000021: statements re-planned on every execution were ~2 ms
+                        // of planning per run.
+                        Some((plans, ms)) => println!(
+                            "   planning (pg_stat_statements.track_planning, nested statements included): {:.2} plannings, {:.3} ms per run",
+                            plans as f64 / f64::from(t.runs),
+                            ms / f64::from(t.runs)
+                        ),
+                        None => println!("   planning: not measured (pg_stat_statements.track_planning = off)"),
                     }
                 }
                 None => println!(
