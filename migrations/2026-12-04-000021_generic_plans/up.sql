@@ -20,11 +20,11 @@
 -- by merging them with a full scan of runs_pkey (2,100 buffers per claim in bench-scheduler,
 -- against 125). Its update now also names the candidates' ids (`r.id = ANY(...)`), a lookup in
 -- runs_pkey whatever the estimate. The setting holds for what they call (agentloop_slice_start's
--- helpers; the same test covers them). A function's SET clause also confines the
--- transaction-local settings made inside it (`agentloop.wake`) to the function; both send their
--- notifications before they return, and the deferred ones are a session setting, which
--- persists. Commands and agentloop_commit keep the default: their statements settle on generic
--- plans by themselves, and `auto` still protects them from a generic plan that would scan.
+-- helpers; the same test covers them). A SET clause restores only the setting it names at the
+-- function's exit: the transaction-local `agentloop.wake` and `agentloop.defer_notify` and the
+-- session's deferred notifications (`agentloop.deferred`) pass through unchanged. Commands and
+-- agentloop_commit keep the default: their statements settle on generic plans by themselves,
+-- and `auto` still protects them from a generic plan that would scan.
 ALTER FUNCTION agentloop_slice_start(jsonb) SET plan_cache_mode = force_generic_plan;
 
 -- As in 000020, with the update's id lookup and the SET clause.
@@ -118,10 +118,9 @@ END $$;
 
 
 -- agentloop_notify (as in 000018) reads each thread's journal position with a point lookup,
--- whose generic plan is its custom plan, instead of `id = ANY(p_threads)`. It is called by every
--- command, where a SET clause would confine its clearing of `agentloop.wake` (a second call in
--- the same transaction would send the wake-up again). One thread (nearly every call) needs no
--- sorting; several are sorted and deduplicated as before.
+-- whose generic plan is its custom plan, instead of `id = ANY(p_threads)`: no SET clause (and its
+-- save and restore of the setting) on a function every command calls. One thread (nearly every
+-- call) needs no sorting; several are sorted and deduplicated as before.
 CREATE OR REPLACE FUNCTION agentloop_notify(p_threads uuid[]) RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     v_ids uuid[] := p_threads;
