@@ -240,6 +240,23 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
 
+/// Enqueues with SQL, for benchmarks and SQL-level tests: `$2` threads of principal `$1` (uuid,
+/// which must exist), each with one user message `$3` (text) and one `queued` run of model
+/// `mock`. One statement; no journal rows and no NOTIFY (a worker started afterwards claims at
+/// start-up).
+pub const ENQUEUE_SQL: &str = "
+WITH t AS (
+    INSERT INTO threads (id, owner_id, title, message_count, last_sequence, last_timestamp_ms)
+    SELECT gen_random_uuid(), $1, 'bench', 1, 1, (extract(epoch from clock_timestamp()) * 1000)::bigint
+    FROM generate_series(1, $2::int)
+    RETURNING id, last_timestamp_ms
+), m AS (
+    INSERT INTO messages (thread_id, sequence, timestamp_ms, role, content, token_estimate, byte_size)
+    SELECT id, 1, last_timestamp_ms, 'user', to_jsonb($3::text), 10, length($3::text) + 2 FROM t
+)
+INSERT INTO runs (id, thread_id, principal_id, status, model, queued_at)
+SELECT gen_random_uuid(), id, $1, 'queued', 'mock', now() FROM t";
+
 /// Limits of the api (issue 10) set high for tests and benchmarks that are not about limits:
 /// one principal there makes far more requests, runs and live connections than the defaults
 /// allow. Tests of the limits override them through `StackOptions::api_env`.

@@ -181,23 +181,9 @@ async fn step_functions_are_planned_once_per_session() {
     let db = agentloop_tests::TestDb::create().await.unwrap();
     let admin = db.client().await.unwrap();
     let runs = 16;
-    admin
-        .batch_execute(&format!(
-            "INSERT INTO principals (id, name) VALUES ('00000000-0000-0000-0000-0000000000aa', 'planner');
-             WITH t AS (
-                 INSERT INTO threads (id, owner_id, title, message_count, last_sequence, last_timestamp_ms)
-                 SELECT gen_random_uuid(), '00000000-0000-0000-0000-0000000000aa', 'plans', 1, 1,
-                        (extract(epoch FROM clock_timestamp()) * 1000)::bigint
-                   FROM generate_series(1, {runs}) RETURNING id, last_timestamp_ms
-             ), m AS (
-                 INSERT INTO messages (thread_id, sequence, timestamp_ms, role, content, token_estimate, byte_size)
-                 SELECT id, 1, last_timestamp_ms, 'user', to_jsonb('hi'::text), 1, 4 FROM t
-             )
-             INSERT INTO runs (id, thread_id, principal_id, status, model, queued_at)
-             SELECT gen_random_uuid(), id, '00000000-0000-0000-0000-0000000000aa', 'queued', 'mock', now() FROM t;"
-        ))
-        .await
-        .unwrap();
+    let principal = Uuid::parse_str("00000000-0000-0000-0000-0000000000aa").unwrap();
+    admin.execute("INSERT INTO principals (id, name) VALUES ($1, 'planner')", &[&principal]).await.unwrap();
+    admin.execute(agentloop_tests::ENQUEUE_SQL, &[&principal, &(runs as i32), &"hi"]).await.unwrap();
 
     let (client, mut conn) = tokio_postgres::connect(&db.url, tokio_postgres::NoTls).await.unwrap();
     let (tx, mut logs) = tokio::sync::mpsc::unbounded_channel::<String>();

@@ -57,7 +57,7 @@ use std::process::{Command, ExitCode, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use agentloop_tests::{Proc, Sig, admin_url, bin_dir, free_port, install_crypto};
+use agentloop_tests::{ENQUEUE_SQL, Proc, Sig, admin_url, bin_dir, free_port, install_crypto};
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use clap::Parser;
 use eventsource_stream::Eventsource;
@@ -454,21 +454,6 @@ impl CpuWindow {
 
 // ---------------------------------------------------------------------------------------------
 // Enqueue, polls, statistics
-
-/// One statement per batch: `$2` threads, each with one user message and one `queued` run.
-/// No journal rows and no NOTIFY (a worker started afterwards claims at start-up).
-const ENQUEUE_SQL: &str = "
-WITH t AS (
-    INSERT INTO threads (id, owner_id, title, message_count, last_sequence, last_timestamp_ms)
-    SELECT gen_random_uuid(), $1, 'bench', 1, 1, (extract(epoch from clock_timestamp()) * 1000)::bigint
-    FROM generate_series(1, $2::int)
-    RETURNING id, last_timestamp_ms
-), m AS (
-    INSERT INTO messages (thread_id, sequence, timestamp_ms, role, content, token_estimate, byte_size)
-    SELECT id, 1, last_timestamp_ms, 'user', to_jsonb($3::text), 10, length($3::text) + 2 FROM t
-)
-INSERT INTO runs (id, thread_id, principal_id, status, model, queued_at)
-SELECT gen_random_uuid(), id, $1, 'queued', 'mock', now() FROM t";
 
 async fn enqueue(db_url: &str, principal: Uuid, runs: u32, batch: u32, notify: bool) -> Result<Duration> {
     let client = connect(db_url).await?;
