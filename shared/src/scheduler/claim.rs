@@ -83,6 +83,10 @@ pub async fn claim(
     // Not replayed by the store: the same argument sent again would not re-adopt what a lost
     // attempt claimed (those runs would wait for their lease to expire and count a fault). The
     // caller sends its next pass with `adopt` instead.
-    let value = store.call("agentloop_claim", &arg, Replay::Unsafe, None).await?;
+    // A claim that starts no slice journals nothing: no notification flush behind it.
+    let value = match start {
+        Some(_) => store.call("agentloop_claim", &arg, Replay::Unsafe, None).await?,
+        None => store.call_quiet("agentloop_claim", &arg, Replay::Unsafe, None).await?,
+    };
     serde_json::from_value(value).map_err(|e| StoreError::Deterministic { sqlstate: "XX000".into(), message: e.to_string() })
 }

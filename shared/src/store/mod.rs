@@ -112,6 +112,18 @@ impl Store {
     /// Errors: [`StoreError::Refused`] (the function's business refusal), `Deterministic`,
     /// `Unavailable` (deadline passed), `OutcomeUnknown` (replay-unsafe call lost mid-flight).
     pub async fn call(&self, function: &'static str, arg: &Value, replay: Replay, deadline: Option<Instant>) -> Result<Value, StoreError> {
+        self.call_with(function, arg, replay, deadline, true).await
+    }
+
+    /// [`Store::call`] for a step that is known to send no notification (a claim that starts no
+    /// slice): on a store with deferred notifications no flush statement is pipelined behind it
+    /// (one transaction less per claim; a notification it did send would go out in its own
+    /// transaction, as on any other store).
+    pub async fn call_quiet(&self, function: &'static str, arg: &Value, replay: Replay, deadline: Option<Instant>) -> Result<Value, StoreError> {
+        self.call_with(function, arg, replay, deadline, false).await
+    }
+
+    async fn call_with(&self, function: &'static str, arg: &Value, replay: Replay, deadline: Option<Instant>, defer: bool) -> Result<Value, StoreError> {
         let deadline = deadline.unwrap_or_else(|| Instant::now() + self.timing.retry_for);
         let arg = crate::text::clean_json(arg);
         let mut delays = backon::ExponentialBuilder::default()
@@ -121,7 +133,7 @@ impl Store {
             .without_max_times()
             .build();
         loop {
-            let fault = match self.attempt(function, &arg).await {
+            let fault = match self.attempt(function, &arg, defer).await {
                 Ok(value) => return Ok(value),
                 Err(fault) => fault,
             };
@@ -157,9 +169,9 @@ impl Store {
 
     /// One attempt: a connection from the pool, then the call under the call timeout. A
     /// connection whose call failed without a server answer (or timed out) is discarded.
-    async fn attempt(&self, function: &'static str, arg: &Value) -> Result<Value, Fault> {
+    async fn attempt(&self, function: &'static str, arg: &Value, defer: bool) -> Result<Value, Fault> {
         let mut conn = self.pool.get().await.map_err(|e| fault::classify_pool(&e))?;
-        match tokio::time::timeout(self.timing.call_timeout, conn.call_json(function, arg)).await {
+        match tokio::time::timeout(self.timing.call_timeout, conn.call_json(function, arg, defer)).await {
             Ok(Ok(outcome)) => {
                 if let Some(unsent) = outcome.unsent {
                     drop(deadpool::managed::Object::take(conn));

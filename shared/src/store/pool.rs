@@ -73,11 +73,18 @@ impl StoreConn {
     /// in a transaction of its own that waits for no WAL flush. The step's commit then does not
     /// hold PostgreSQL's database-wide notify lock through its flush, so concurrent steps share
     /// flushes (group commit). The step statement returns the deferred pairs too: when the flush
-    /// failed they come back in [`CallOutcome::unsent`].
-    pub async fn call_json(&mut self, function: &str, arg: &serde_json::Value) -> Result<CallOutcome, tokio_postgres::Error> {
+    /// failed they come back in [`CallOutcome::unsent`]. `defer = false` turns this off for one
+    /// call, for a step that is known to notify nothing (a claim that starts no slice): no flush
+    /// statement follows it, and a notification it did send would go out in its own transaction.
+    pub async fn call_json(&mut self, function: &str, arg: &serde_json::Value, defer: bool) -> Result<CallOutcome, tokio_postgres::Error> {
         let traced = arg.get("traceparent").is_some_and(serde_json::Value::is_string);
-        let key = if traced { format!("{function}+trace") } else { function.to_owned() };
-        let defer = self.defer_notify;
+        let defer = self.defer_notify && defer;
+        let key = match (traced, defer || !self.defer_notify) {
+            (false, true) => function.to_owned(),
+            (true, true) => format!("{function}+trace"),
+            (false, false) => format!("{function}+now"),
+            (true, false) => format!("{function}+trace+now"),
+        };
         let statement = self
             .prepared(key, &[Type::JSONB], || {
                 let argument = if traced { "agentloop_trace($1::jsonb)".to_owned() } else { "$1::jsonb".to_owned() };
@@ -90,7 +97,7 @@ impl StoreConn {
                 }
             })
             .await?;
-        if !self.defer_notify {
+        if !defer {
             let row = self.client.query_one(&statement, &[arg]).await?;
             let value = row.try_get::<_, Option<serde_json::Value>>(0)?.unwrap_or(serde_json::Value::Null);
             return Ok(CallOutcome { value, unsent: None });
