@@ -322,3 +322,68 @@ async fn plans_hold_with_stale_statistics() {
         assert!(seq < 20, "{table}: {seq} sequential scans for 120 chats (stale statistics froze the plans)");
     }
 }
+
+/// `Store::call_quiet` (a claim that starts no slice goes without the notification flush behind
+/// it): the call is not deferred, so a notification it does send goes out with its own commit
+/// and nothing is left pending in the session for a later flush; and a real quiet claim, on the
+/// workers' store, claims and leaves nothing deferred either. Through `call` the same step's
+/// notification is deferred and flushed behind it (the control: both paths deliver).
+#[tokio::test]
+async fn quiet_calls_notify_in_their_own_commit_and_leave_nothing_deferred() {
+    use agentloop_shared::scheduler::listener::{self, ListenerEvent};
+    use agentloop_shared::store::{PoolSettings, Replay, Store, Timing};
+
+    let db = agentloop_tests::TestDb::create().await.unwrap();
+    let setup = db.client().await.unwrap();
+    let thread = Uuid::new_v4();
+    let principal = Uuid::new_v4();
+    setup
+        .batch_execute(&format!(
+            "INSERT INTO principals (id, name) VALUES ('{principal}', 'p');
+             INSERT INTO threads (id, owner_id, last_event_sequence) VALUES ('{thread}', '{principal}', 7);"
+        ))
+        .await
+        .unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut events = listener::spawn(db.url.clone(), "quiet-test-listener", vec!["agentloop_threads"], Duration::from_secs(5), stop.clone());
+    assert_eq!(tokio::time::timeout(T, events.recv()).await.unwrap(), Some(ListenerEvent::Resync));
+    let expected = ListenerEvent::Notification { channel: "agentloop_threads".into(), payload: format!("{thread}:7") };
+    let settings = PoolSettings {
+        database_url: db.url.clone(),
+        application_name: "quiet-test-store".into(),
+        statement_timeout: Duration::from_secs(10),
+        max_size: 1,
+        wait_timeout: Duration::from_secs(5),
+    };
+    let store = Store::with_deferred_notifications(&settings, Timing { call_timeout: Duration::from_secs(5), retry_for: Duration::from_secs(5) }).unwrap();
+    let pending = |store: Store| async move {
+        let conn = store.conn().await.unwrap();
+        let p: Option<String> = conn.client().query_one("SELECT current_setting('agentloop.deferred', true)", &[]).await.unwrap().get(0);
+        p.unwrap_or_default()
+    };
+    let arg = json!({"threadId": thread});
+    for quiet in [true, false, true] {
+        if quiet {
+            store.call_quiet("agentloop_renotify", &arg, Replay::Safe, None).await.unwrap();
+        } else {
+            store.call("agentloop_renotify", &arg, Replay::Safe, None).await.unwrap();
+        }
+        assert_eq!(tokio::time::timeout(Duration::from_secs(5), events.recv()).await.unwrap(), Some(expected.clone()), "quiet: {quiet}");
+        assert_eq!(pending(store.clone()).await, "", "quiet: {quiet}: notifications left pending in the session");
+    }
+
+    // A real claim without slice starts, as the worker sends it under load.
+    let run = Uuid::new_v4();
+    setup
+        .batch_execute(&format!(
+            "INSERT INTO runs (id, thread_id, principal_id, status, model, queued_at) VALUES ('{run}', '{thread}', '{principal}', 'queued', 'mock', now())"
+        ))
+        .await
+        .unwrap();
+    let claimed = agentloop_shared::scheduler::claim(&store, "quiet-worker", 4, Duration::from_secs(15), &[], false, None).await.unwrap();
+    assert_eq!(claimed.runs.iter().map(|r| r.id).collect::<Vec<_>>(), vec![run]);
+    assert_eq!(pending(store.clone()).await, "", "a quiet claim left notifications pending");
+    let status: String = setup.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await.unwrap().get(0);
+    assert_eq!(status, "running");
+    stop.cancel();
+}
