@@ -17,7 +17,11 @@
 //!    `--concurrency` slots each, timed from spawning the workers until a 200 ms poll finds no
 //!    run left that is not terminal;
 //! 2. `pgbench -N` TPS at the same client count (workers x concurrency) on the same server, run
-//!    just before and just after (1), and the ratio of (1) to it;
+//!    just before and just after (1), and the ratio of (1) to it; then the step protocol alone:
+//!    the SQL the workers send for such a run (claim, slice start, commit and their
+//!    notification flushes), driven by `pgbench -f` at the same client count on a database of
+//!    its own filled like (1)'s, with no worker process — the database's own cost of a run, and
+//!    how much of it (1) reaches;
 //! 3. enqueue-to-slice-start latency over `--latency-runs` single runs posted one at a time
 //!    through the HTTP API with idle workers (`runs.started_at - runs.created_at` and the step
 //!    row's `started_at`, from the database; plus what a client sees: POST -> 202 and
@@ -928,6 +932,79 @@ async fn throughput_phase(env: &mut Env) -> Result<Throughput> {
         cpu,
         enqueue: enqueue_took,
     })
+}
+
+/// The SQL of one run as the workers send it for a one-slice run with a final answer (claim
+/// without slice starts, no flush behind it; slice start and commit, each followed by the
+/// notification flush), as a pgbench script: one pgbench transaction = one run.
+const STEP_PROTOCOL_SCRIPT: &str = r#"SELECT r ->> 'id' AS run, r ->> 'threadId' AS thread, r ->> 'leaseEpoch' AS epoch, (r ->> 'stepsUsed')::int + 1 AS stepseq FROM (SELECT agentloop_claim(jsonb_build_object('owner', 'floor-' || :client_id, 'leaseMs', 15000, 'limit', 1, 'inflight', '[]'::jsonb, 'adopt', false, 'start', NULL)) -> 'runs' -> 0 AS r OFFSET 0) s \gset
+SELECT (s -> 'step' ->> 'id') AS stepid FROM (SELECT agentloop_slice_start(agentloop_defer(jsonb_build_object('runId', ':run', 'threadId', ':thread', 'owner', 'floor-' || :client_id, 'epoch', :epoch, 'leaseMs', 15000, 'stepSequence', :stepseq, 'model', 'mock', 'toolTokens', 0, 'contextLimit', 32768))) AS s OFFSET 0) x \gset
+SELECT agentloop_flush_notify();
+SELECT agentloop_commit(agentloop_defer(jsonb_build_object('runId', ':run', 'threadId', ':thread', 'owner', 'floor-' || :client_id, 'epoch', :epoch, 'leaseMs', 15000, 'commitId', gen_random_uuid(), 'stepId', :stepid, 'messages', jsonb_build_array(jsonb_build_object('role', 'assistant', 'content', 'You said: hello from the scheduler benchmark', 'tokenEstimate', 12, 'byteSize', 46)), 'usage', jsonb_build_object('modelCalls', 1, 'promptTokens', 12, 'completionTokens', 12), 'end', jsonb_build_object('status', 'completed'))));
+SELECT agentloop_flush_notify();
+"#;
+
+/// Phase 2b: the step protocol alone.
+struct Floor {
+    /// Runs completed per second by pgbench driving [`STEP_PROTOCOL_SCRIPT`].
+    rps: f64,
+    completed: i64,
+    seconds: u32,
+    cpu: String,
+}
+
+/// Runs [`STEP_PROTOCOL_SCRIPT`] with pgbench (`clients` clients, `seconds` s) on a database of
+/// its own, migrated and filled like phase 1's (enough queued runs for `expected_rps` x 3):
+/// the database's cost of a run with no worker process, no mock model and no Rust code.
+async fn floor_phase(env: &Env, pgbench: &Path, clients: u32, seconds: u32, expected_rps: f64) -> Result<Floor> {
+    let db = Database::create("bench_floor").await?;
+    admin_verb(&["migrate"], &db.url).await?;
+    admin_verb(&["create-key", "--principal", "bench"], &db.url).await?;
+    let principal: Uuid = connect(&db.url).await?.query_one("SELECT id FROM principals WHERE name = 'bench'", &[]).await?.get(0);
+    let runs = ((expected_rps.max(500.0) * 3.0 * f64::from(seconds)) as u32).clamp(5_000, 500_000);
+    log(format!("step protocol alone: {runs} queued runs, pgbench -f (same SQL as the workers) -c {clients} -T {seconds}"));
+    enqueue(&db.url, principal, runs, env.args.batch, false).await?;
+    connect(&db.url).await?.batch_execute("VACUUM ANALYZE").await?;
+    let script = log_dir()?.join("step-protocol.pgbench");
+    std::fs::write(&script, STEP_PROTOCOL_SCRIPT)?;
+    let admin = connect(&admin_url()).await?;
+    let threads = (cpus() as u32).clamp(1, clients.max(1));
+    let child = tokio::process::Command::new(pgbench)
+        .args(["-n", "-f"])
+        .arg(&script)
+        .args(["-c", &clients.to_string(), "-j", &threads.to_string(), "-T", &seconds.to_string(), &db.url])
+        .kill_on_drop(true)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {}", pgbench.display()))?;
+    // The CPU split over the middle of the run, while pgbench and its backends are alive.
+    let window = Duration::from_secs(u64::from(seconds)).saturating_sub(Duration::from_secs(1)).max(Duration::from_millis(500));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let backends = backend_pids(&admin, &db.name).await?;
+    let cpu = CpuWindow::begin(&[("pgbench", child.id().map_or(0, |p| p as i32))], &backends);
+    tokio::time::sleep(window).await;
+    let cpu = cpu.end(&backends);
+    let out = child.wait_with_output().await?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    ensure!(out.status.success(), "pgbench -f step-protocol failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+    let rps: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("tps = ").and_then(|r| r.split_whitespace().next()).and_then(|v| v.parse().ok()))
+        .ok_or_else(|| anyhow!("no `tps = ` line in pgbench output: {text}"))?;
+    // Every script run must have completed a run with its answer: the figure counts real runs.
+    let c = connect(&db.url).await?;
+    let row = c
+        .query_one(
+            "SELECT count(*) FILTER (WHERE status = 'completed'),
+                    (SELECT count(*) FROM messages WHERE role = 'assistant')
+             FROM runs",
+            &[],
+        )
+        .await?;
+    let (completed, answers): (i64, i64) = (row.get(0), row.get(1));
+    ensure!(completed > 0 && completed == answers, "step protocol: {completed} runs completed, {answers} answers");
+    Ok(Floor { rps, completed, seconds, cpu })
 }
 
 struct Latency {
@@ -2013,6 +2090,13 @@ async fn bench(args: Args, nofile: u64) -> Result<()> {
         tps.push(pgbench_tps(&pgbench, &pgdb.url, clients, args.pgbench_seconds).await?);
     }
     drop(pgdb);
+    let floor = match &throughput {
+        Some(t) if args.pgbench_seconds > 0 => {
+            let expected = f64::from(t.runs) / t.wall.as_secs_f64();
+            Some(floor_phase(&env, &pgbench, clients, args.pgbench_seconds, expected).await?)
+        }
+        _ => None,
+    };
     let latency =
         if args.runs_phase(Phase::Latency) && args.latency_runs > 0 { Some(latency_phase(&mut env).await?) } else { None };
     let statements = if args.runs_phase(Phase::Statements) && args.statement_runs > 0 {
@@ -2085,6 +2169,21 @@ async fn bench(args: Args, nofile: u64) -> Result<()> {
             "   (the workers committed {worker_xacts_per_sec:.0} transactions/s during phase 1 = {:.2} x pgbench TPS)",
             worker_xacts_per_sec / mean
         );
+        if let Some(f) = &floor {
+            println!(
+                "   the step protocol alone (the workers' SQL for a one-slice run, driven by pgbench -f with {clients} clients, no worker process; script: test-output/bench-scheduler/step-protocol.pgbench): {:.0} runs/s over {} s ({} runs completed) = {:.3} x pgbench TPS",
+                f.rps,
+                f.seconds,
+                f.completed,
+                f.rps / mean
+            );
+            println!(
+                "   claim+complete runs/s / step protocol alone = {rps:.0} / {:.0} = {:.2} (what the workers, the mock model and the network cost on top of the database's own work per run)",
+                f.rps,
+                rps / f.rps
+            );
+            println!("   CPU (step protocol alone): {}", f.cpu);
+        }
     }
     println!();
     match &latency {
