@@ -387,3 +387,104 @@ async fn quiet_calls_notify_in_their_own_commit_and_leave_nothing_deferred() {
     assert_eq!(status, "running");
     stop.cancel();
 }
+
+/// Grouped step calls (`agentloop_shared::store::group`, migration 000022): calls that arrive
+/// while a group of the same function runs are sent together as ONE call of the group function,
+/// items in thread id order, each caller getting its own item's result; a group that fails is
+/// split and each item sent alone, so a poison item fails alone and the others succeed. A lone
+/// call goes alone. Driven with a test step function that can sleep and fail on demand.
+#[tokio::test]
+async fn grouped_calls_share_one_statement_and_a_failing_group_is_split() {
+    use agentloop_shared::store::{PoolSettings, Replay, Store, StoreError, Timing};
+
+    let db = agentloop_tests::TestDb::create().await.unwrap();
+    let setup = db.client().await.unwrap();
+    setup
+        .batch_execute(
+            "CREATE SEQUENCE test_groups; CREATE TABLE test_group_items (n int, thread text);
+             CREATE FUNCTION test_step(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM pg_sleep(coalesce((p ->> 'sleepMs')::float8, 0) / 1000);
+                 IF (p ->> 'poison')::boolean THEN RAISE EXCEPTION 'poison item'; END IF;
+                 RETURN jsonb_build_object('echo', p -> 'threadId');
+             END $$;
+             CREATE FUNCTION test_step_group(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+             DECLARE v_item jsonb; v_out jsonb := '[]'; v_n bigint := nextval('test_groups');
+             BEGIN
+                 FOR v_item IN SELECT value FROM jsonb_array_elements(p -> 'items') WITH ORDINALITY ORDER BY ordinality LOOP
+                     INSERT INTO test_group_items VALUES (v_n, v_item ->> 'threadId');
+                     v_out := v_out || jsonb_build_array(test_step(v_item));
+                 END LOOP;
+                 RETURN v_out;
+             END $$;",
+        )
+        .await
+        .unwrap();
+    let settings = PoolSettings {
+        database_url: db.url.clone(),
+        application_name: "group-test-store".into(),
+        statement_timeout: Duration::from_secs(10),
+        max_size: 4,
+        wait_timeout: Duration::from_secs(5),
+    };
+    let store = Store::with_deferred_notifications(&settings, Timing { call_timeout: Duration::from_secs(5), retry_for: Duration::from_secs(5) })
+        .unwrap()
+        .grouping(&[("test_step", "test_step_group")]);
+    let deadline = || Some(Instant::now() + Duration::from_secs(5));
+    async fn groups(setup: &tokio_postgres::Client) -> Vec<Vec<String>> {
+        let rows = setup.query("SELECT n, array_agg(thread ORDER BY thread) FROM test_group_items GROUP BY n ORDER BY n", &[]).await.unwrap();
+        rows.iter().map(|r| r.get::<_, Vec<String>>(1)).collect()
+    }
+
+    // A lone call goes alone (no group row), and answers.
+    let alone = store.call("test_step", &json!({"threadId": "t-alone"}), Replay::Safe, deadline()).await.unwrap();
+    assert_eq!(alone, json!({"echo": "t-alone"}));
+    assert!(groups(&setup).await.is_empty(), "a lone call was sent as a group");
+
+    // A slow call holds the one group slot; three calls arriving meanwhile form one group, sent
+    // in thread id order, each answered with its own result.
+    let slow = tokio::spawn({
+        let store = store.clone();
+        async move { store.call("test_step", &json!({"threadId": "t-slow", "sleepMs": 600}), Replay::Safe, deadline()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let calls: Vec<_> = ["t-c", "t-a", "t-b"]
+        .into_iter()
+        .map(|t| {
+            let store = store.clone();
+            tokio::spawn(async move { store.call("test_step", &json!({"threadId": t}), Replay::Safe, deadline()).await })
+        })
+        .collect();
+    for (call, t) in calls.into_iter().zip(["t-c", "t-a", "t-b"]) {
+        assert_eq!(call.await.unwrap().unwrap(), json!({"echo": t}), "each caller gets its own item's result");
+    }
+    assert_eq!(slow.await.unwrap().unwrap(), json!({"echo": "t-slow"}));
+    let seen = groups(&setup).await;
+    assert_eq!(seen, vec![vec!["t-a".to_owned(), "t-b".to_owned(), "t-c".to_owned()]], "the waiting calls were not sent as one group");
+    let order: Vec<String> = setup.query("SELECT thread FROM test_group_items ORDER BY ctid", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    assert_eq!(order, vec!["t-a", "t-b", "t-c"], "a group applies its items in thread id order");
+
+    // A group with a poison item fails as a whole (its rows roll back) and is split: the poison
+    // item fails alone, deterministically; the others succeed.
+    setup.batch_execute("TRUNCATE test_group_items").await.unwrap();
+    let slow = tokio::spawn({
+        let store = store.clone();
+        async move { store.call("test_step", &json!({"threadId": "t-slow", "sleepMs": 600}), Replay::Safe, deadline()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let calls: Vec<_> = [("t-x", false), ("t-y", true), ("t-z", false)]
+        .into_iter()
+        .map(|(t, poison)| {
+            let store = store.clone();
+            tokio::spawn(async move { store.call("test_step", &json!({"threadId": t, "poison": poison}), Replay::Safe, deadline()).await })
+        })
+        .collect();
+    let results: Vec<_> = futures_util::future::join_all(calls).await.into_iter().map(|r| r.unwrap()).collect();
+    assert_eq!(results[0].as_ref().unwrap(), &json!({"echo": "t-x"}));
+    assert!(matches!(&results[1], Err(StoreError::Deterministic { message, .. }) if message.contains("poison")), "{:?}", results[1]);
+    assert_eq!(results[2].as_ref().unwrap(), &json!({"echo": "t-z"}));
+    slow.await.unwrap().unwrap();
+    assert!(groups(&setup).await.is_empty(), "the failed group's rows were kept");
+    let groups_sent: i64 = setup.query_one("SELECT last_value FROM test_groups", &[]).await.unwrap().get(0);
+    assert_eq!(groups_sent, 2, "the poison round was not tried as one group first");
+}

@@ -58,7 +58,12 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     // Every worker step sends its notifications right after its commit, not in it (issue 9:
     // notifying commits are serialised by PostgreSQL through their WAL flush; see
     // `Store::with_deferred_notifications`).
-    let store = Store::with_deferred_notifications(&settings, timing)?;
+    // Checkpoints and slice starts that meet are sent as one statement (issue 9: grouped
+    // commits; `agentloop_shared::store::group`).
+    let store = Store::with_deferred_notifications(&settings, timing)?.grouping(&[
+        ("agentloop_commit", "agentloop_commit_group"),
+        ("agentloop_slice_start", "agentloop_slice_start_group"),
+    ]);
     // Renewals never notify: the keeper needs no flush behind each one.
     let keeper_store = Store::new(
         &PoolSettings { max_size: 1, statement_timeout: config.renew, ..settings.clone() },

@@ -15,6 +15,7 @@
 //! checkpoint, streaming) and [`crate::commands`] (API commands).
 
 pub mod fault;
+pub mod group;
 pub mod pool;
 
 use std::time::{Duration, Instant};
@@ -68,25 +69,37 @@ pub struct Timing {
 pub struct Store {
     pool: StorePool,
     timing: Timing,
+    /// Step functions whose calls are grouped ([`Store::grouping`]), by name.
+    groups: std::sync::Arc<std::collections::HashMap<&'static str, group::Grouper>>,
 }
 
 impl Store {
     /// A store over a new pool (no connection opened yet).
     pub fn new(settings: &PoolSettings, timing: Timing) -> anyhow::Result<Self> {
-        Ok(Self { pool: pool::build(settings)?, timing })
+        Ok(Self { pool: pool::build(settings)?, timing, groups: Default::default() })
     }
 
     /// A store whose connections carry extra session settings (`-c name=value ...`), e.g. the
     /// api's per-principal limits read by the triggers of `migrations/…000006_hostile_clients`.
     pub fn with_options(settings: &PoolSettings, timing: Timing, extra_options: &str) -> anyhow::Result<Self> {
-        Ok(Self { pool: pool::build_with(settings, extra_options, false)?, timing })
+        Ok(Self { pool: pool::build_with(settings, extra_options, false)?, timing, groups: Default::default() })
     }
 
     /// A store whose calls send their notifications right after their commit instead of in it
     /// (the workers' steps; see [`StoreConn::call_json`] and
     /// `migrations/…000018_deferred_notify`): steps then share WAL flushes.
     pub fn with_deferred_notifications(settings: &PoolSettings, timing: Timing) -> anyhow::Result<Self> {
-        Ok(Self { pool: pool::build_with(settings, "", true)?, timing })
+        Ok(Self { pool: pool::build_with(settings, "", true)?, timing, groups: Default::default() })
+    }
+
+    /// This store, with the replay-safe calls of each `(function, group_function)` pair
+    /// grouped: calls that wait while earlier ones run are sent together as one call of
+    /// `group_function` (`{items: [arg, ...]}` -> `[result, ...]`), see [`group`]. Needs a
+    /// tokio runtime (one task per pair).
+    pub fn grouping(self, pairs: &[(&'static str, &'static str)]) -> Self {
+        let inner = Self { groups: Default::default(), ..self.clone() };
+        let groups = pairs.iter().map(|&(function, group_function)| (function, group::Grouper::spawn(inner.clone(), function, group_function))).collect();
+        Self { groups: std::sync::Arc::new(groups), ..self }
     }
 
     /// Closes this store's connections unused for `idle` ([`crate::db::reap_idle`]).
@@ -126,6 +139,9 @@ impl Store {
     async fn call_with(&self, function: &'static str, arg: &Value, replay: Replay, deadline: Option<Instant>, defer: bool) -> Result<Value, StoreError> {
         let deadline = deadline.unwrap_or_else(|| Instant::now() + self.timing.retry_for);
         let arg = crate::text::clean_json(arg);
+        if let Some(grouper) = self.groups.get(function).filter(|_| defer && replay == Replay::Safe) {
+            return grouper.call(arg.into_owned(), deadline).await;
+        }
         let mut delays = backon::ExponentialBuilder::default()
             .with_min_delay(Duration::from_millis(20))
             .with_max_delay(Duration::from_secs(1))
@@ -168,7 +184,8 @@ impl Store {
     }
 
     /// One attempt: a connection from the pool, then the call under the call timeout. A
-    /// connection whose call failed without a server answer (or timed out) is discarded.
+    /// connection whose call failed without a server answer (or timed out), or was refused as
+    /// read-only, is discarded.
     async fn attempt(&self, function: &'static str, arg: &Value, defer: bool) -> Result<Value, Fault> {
         let mut conn = self.pool.get().await.map_err(|e| fault::classify_pool(&e))?;
         match tokio::time::timeout(self.timing.call_timeout, conn.call_json(function, arg, defer)).await {
@@ -181,7 +198,10 @@ impl Store {
             }
             Ok(Err(error)) => {
                 let fault = fault::classify(&error);
-                if conn.is_closed() || matches!(fault, Fault::Unknown(_)) {
+                // A session that refused a write as read-only (25006) may stay read-only (it
+                // reached a standby, or a primary demoted by a failover): never reuse it.
+                let read_only = error.as_db_error().is_some_and(|db| db.code().code() == "25006");
+                if conn.is_closed() || read_only || matches!(fault, Fault::Unknown(_)) {
                     drop(deadpool::managed::Object::take(conn));
                 }
                 Err(fault)
