@@ -76,6 +76,16 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// 503 `database_unavailable` with a generic message; the cause (a SQLSTATE and the
+    /// server's text, e.g. `25006: cannot execute INSERT in a read-only transaction`) is logged
+    /// here, once, never returned (5xx bodies are generic).
+    pub(crate) fn database_unavailable(cause: &dyn std::fmt::Display) -> Self {
+        tracing::warn!(error = %cause, "database unavailable");
+        Self::Unavailable { code: "database_unavailable", message: "the database is unavailable right now; retry later".into() }
+    }
+}
+
 impl From<diesel::result::Error> for ApiError {
     /// Reads go through diesel, which hides SQLSTATEs: a lost or terminated connection (and a
     /// serialization failure) is 503 `database_unavailable` — a read is always safe to retry —
@@ -91,7 +101,7 @@ impl From<diesel::result::Error> for ApiError {
             _ => false,
         };
         if transient {
-            Self::Unavailable { code: "database_unavailable", message: format!("database unavailable: {e}") }
+            Self::database_unavailable(&e)
         } else {
             Self::Internal(e.into())
         }
@@ -111,7 +121,7 @@ impl From<agentloop_shared::store::StoreError> for ApiError {
                 code,
                 message,
             },
-            E::Unavailable(message) => Self::Unavailable { code: "database_unavailable", message: format!("database unavailable: {message}") },
+            E::Unavailable(message) => Self::database_unavailable(&message),
             E::OutcomeUnknown(_) => Self::Unavailable {
                 code: "outcome_unknown",
                 message: "the database connection was lost while the command was being committed: it may or may not have \
@@ -125,7 +135,7 @@ impl From<agentloop_shared::store::StoreError> for ApiError {
 
 impl From<diesel_async::pooled_connection::deadpool::PoolError> for ApiError {
     fn from(e: diesel_async::pooled_connection::deadpool::PoolError) -> Self {
-        Self::Unavailable { code: "database_unavailable", message: format!("database unavailable: {e}") }
+        Self::database_unavailable(&e)
     }
 }
 

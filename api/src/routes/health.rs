@@ -34,7 +34,7 @@ pub async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError
     if std::sync::atomic::AtomicBool::load(&state.draining, std::sync::atomic::Ordering::SeqCst) {
         return Err(ApiError::Unavailable { code: "draining", message: "this process is shutting down".into() });
     }
-    let unavailable = |why: String| ApiError::Unavailable { code: "database_unavailable", message: format!("database unavailable: {why}") };
+    let unavailable = |why: String| ApiError::database_unavailable(&why);
     let probe = async {
         let mut conn = state.pool.get().await?;
         diesel::sql_query("SELECT 1").execute(&mut conn).await.map_err(|e| unavailable(e.to_string()))?;

@@ -66,10 +66,7 @@ pub async fn poll_updates(
     tokio::pin!(gone);
     loop {
         wake.borrow_and_update();
-        let batch = state.hub.next_batch(&state.pool, thread_id, cursor).await.map_err(|e| ApiError::Unavailable {
-            code: "database_unavailable",
-            message: format!("database unavailable: {e}"),
-        })?;
+        let batch = state.hub.next_batch(&state.pool, thread_id, cursor).await.map_err(|e| ApiError::database_unavailable(&e))?;
         match batch {
             Batch::Reset { sequence } => {
                 return Ok(HttpResponse::Ok().json(json!({"events": [], "nextSequence": sequence, "reset": true})));
