@@ -1145,3 +1145,194 @@ async fn deferred_notifications_are_sent_after_the_commit_and_never_for_a_rolled
     assert_eq!(pending.as_deref().unwrap_or(""), "", "the flush left notifications pending in the session");
     stop.cancel();
 }
+
+/// Makes the test database `db` read-only for new sessions (`on`) or writable again, then
+/// terminates every session of it (the admin session is on another database), twice: pooled
+/// connections reconnect and take the setting, and a session that was starting during the first
+/// pass (it may have read the old setting) is caught by the second. Returns the sessions ended.
+async fn set_read_only(admin: &tokio_postgres::Client, db: &str, on: bool) -> i64 {
+    let setting = if on { "SET default_transaction_read_only = on" } else { "RESET default_transaction_read_only" };
+    admin.batch_execute(&format!("ALTER DATABASE {db} {setting}")).await.unwrap();
+    let mut ended = 0;
+    for _ in 0..2 {
+        let row = admin
+            .query_one(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                &[&db],
+            )
+            .await
+            .unwrap();
+        ended += row.get::<_, i64>(0);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    ended
+}
+
+/// SQLSTATE 25006 (`read_only_sql_transaction`): the database turns read-only for a while — a
+/// failover to a standby not yet promoted, or an operator's `default_transaction_read_only` —
+/// while one run waits for a slow answer, one streams, one checkpoints a chain of tool steps,
+/// three turns on other threads are queued behind them (every worker slot busy) and one is
+/// FIFO-pending behind the slow run. Injected for real: `ALTER DATABASE … SET
+/// default_transaction_read_only = on` and every session of the test database terminated (the
+/// api's and worker's pools reconnect read-only), held for 9 s — longer than the lease (3 s)
+/// and the step retry window, so a step commit is retried until its deadline and the slices in
+/// flight lose their leases — then reset, and every session terminated again. While read-only,
+/// reads still answer and a new turn is refused with a clean 503 `database_unavailable` (25006
+/// is transient, not a 500) and stored nowhere. Once writable, that turn retried with its
+/// idempotency key is accepted, the interrupted runs are re-claimed, and every accepted run
+/// completes with its answer exactly once: no turn lost, no run failed, no tool step repeated.
+#[tokio::test]
+async fn durable_a_read_only_database_pauses_runs_and_fails_none() {
+    let options = StackOptions {
+        workers: 1,
+        worker_env: env(&[("WORKER_LEASE_MS", "3000"), ("WORKER_RENEW_MS", "1000"), ("WORKER_CONCURRENCY", "3")]),
+        ..Default::default()
+    };
+    let mut stack = Stack::start("durable_read_only", options).await.unwrap();
+    let c = stack.client();
+    let (admin, conn) = tokio_postgres::connect(&agentloop_tests::admin_url(), tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+
+    // (thread, run, the answer it must end with)
+    let mut turns: Vec<(String, String, String)> = Vec::new();
+    let slow = c.create_thread().await.unwrap();
+    let a = id(&c.chat(&slow, &script(json!([{"text": "slow answer", "delayMs": 5000}]))).await.unwrap()["run"]);
+    turns.push((slow.clone(), a.clone(), "slow answer".into()));
+    let streamed = c.create_thread().await.unwrap();
+    let long = (0..150).map(|i| format!("s{i}")).collect::<Vec<_>>().join(" ");
+    let b = id(&c.chat(&streamed, &script(json!([{"text": long, "chunkDelayMs": 100}]))).await.unwrap()["run"]);
+    turns.push((streamed.clone(), b.clone(), long.clone()));
+    // A chain of tool steps: a checkpoint every ~0.4 s, so a step commit meets the read-only
+    // database, is retried while the lease lasts, and the slice then tries to hand the run back.
+    let chained = c.create_thread().await.unwrap();
+    let mut steps: Vec<Value> =
+        (0..12).map(|i| json!({"toolCalls": [{"name": "calculator", "arguments": {"expression": format!("{i}+1")}}], "delayMs": 400})).collect();
+    steps.push(json!({"text": "chain: {{tool_results}}"}));
+    let chain = id(&c.chat(&chained, &script(Value::Array(steps))).await.unwrap()["run"]);
+    let chain_answer = format!("chain: {}", (1..=12).map(|n| n.to_string()).collect::<Vec<_>>().join(", "));
+    turns.push((chained.clone(), chain.clone(), chain_answer));
+    c.wait_run(&a, T, |r| r["status"] == "running").await.unwrap();
+    c.wait_run(&chain, T, |r| r["status"] == "running").await.unwrap();
+    let deadline = Instant::now() + T;
+    loop {
+        let w = c.get(&format!("/api/threads/{streamed}")).await.unwrap().body;
+        if !w["streamingMessage"]["content"].as_str().unwrap_or_default().is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "nothing streamed: {w}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for i in 0..3 {
+        let thread = c.create_thread().await.unwrap();
+        let text = format!("queued answer {i}");
+        let run = id(&c.chat(&thread, &script(json!([{"text": text}]))).await.unwrap()["run"]);
+        turns.push((thread, run, text));
+    }
+    let pending = c
+        .post(&format!("/api/threads/{slow}/chat"), json!({"content": script(json!([{"text": "pending answer"}])), "multitask": "enqueue"}))
+        .await
+        .unwrap();
+    assert_eq!((pending.status, pending.body["run"]["status"].as_str()), (202, Some("pending")), "{pending:?}");
+    turns.push((slow.clone(), id(&pending.body["run"]), "pending answer".into()));
+    let refused = c.create_thread().await.unwrap();
+    let mut before = Vec::new();
+    for (_, run, _) in &turns {
+        before.push(c.get(&format!("/api/runs/{run}")).await.unwrap().body["status"].as_str().unwrap_or("?").to_owned());
+    }
+
+    // Read-only, for longer than the lease.
+    let started = Instant::now();
+    let ended = set_read_only(&admin, &stack.db.name, true).await;
+    eprintln!("read-only from now: {ended} sessions ended; run statuses {before:?}");
+    let probe = stack.db.client().await.unwrap();
+    let err = probe.batch_execute("CREATE TABLE read_only_probe (x int)").await.unwrap_err();
+    assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION), "{err}");
+    drop(probe);
+    // Reads still answer (a broken pooled connection may cost one 503 first).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = c.get(&format!("/api/runs/{a}")).await.unwrap();
+        if r.status == 200 {
+            assert!(r.body["status"] != "failed", "{r:?}");
+            break;
+        }
+        assert!(r.status == 503 && Instant::now() < deadline, "a read while read-only: {r:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A new turn: a clean 503 `database_unavailable` within the api's retry window, not a hang
+    // and not a 500.
+    let turn = json!({"content": script(json!([{"text": "refused, then accepted"}]))});
+    let path = format!("/api/threads/{refused}/chat");
+    let sent = Instant::now();
+    let r = c.send(reqwest::Method::POST, &path, Some(turn.clone()), &[("Idempotency-Key", "read-only-turn")]).await.unwrap();
+    let took = sent.elapsed();
+    eprintln!("POST /chat while read-only: {} in {took:?}: {}", r.status, r.body);
+    assert_eq!((r.status, r.body["error"]["code"].as_str()), (503, Some("database_unavailable")), "{r:?}");
+    // 5xx bodies are generic: the server's error text goes to the log, not to the client.
+    let message = r.body["error"]["message"].as_str().unwrap_or_default();
+    assert!(!message.contains("25006") && !message.contains("read-only transaction"), "the 503 leaks the SQL error: {message}");
+    assert!(took < Duration::from_secs(15), "the refusal took {took:?}");
+    let hold = Duration::from_secs(9);
+    if let Some(rest) = hold.checked_sub(started.elapsed()) {
+        tokio::time::sleep(rest).await;
+    }
+    let mut during = Vec::new();
+    for (_, run, _) in &turns {
+        during.push(c.get(&format!("/api/runs/{run}")).await.unwrap().body["status"].as_str().unwrap_or("?").to_owned());
+    }
+    set_read_only(&admin, &stack.db.name, false).await;
+    let read_only_for = started.elapsed();
+    eprintln!("writable again after {read_only_for:?}; run statuses at the end of it {during:?}");
+
+    // Writable again: the refused turn, retried with its key, is accepted once.
+    let (status, body) = post_retrying(&c, &path, turn, "read-only-turn").await;
+    assert_eq!(status, 202, "{body}");
+    turns.push((refused.clone(), id(&body["run"]), "refused, then accepted".into()));
+    let mut failed = Vec::new();
+    for (_, run, _) in &turns {
+        let end = c.wait_terminal(run, T).await.unwrap();
+        if end["status"] != "completed" {
+            failed.push(format!("{run}: {} {}", end["status"], end["error"]));
+        }
+    }
+    let db = stack.db.client().await.unwrap();
+    let not_completed: Vec<String> = db
+        .query("SELECT format('%s %s %s: %s', id, status, error_code, error_message) FROM runs WHERE status <> 'completed'", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(failed.is_empty() && not_completed.is_empty(), "runs that did not complete: {failed:#?} {not_completed:#?}");
+    let runs: i64 = db.query_one("SELECT count(*) FROM runs", &[]).await.unwrap().get(0);
+    assert_eq!(runs, turns.len() as i64, "one run per accepted turn (the refused attempt stored nothing)");
+    // The slices in flight lost their leases (the fault was felt) and were re-claimed.
+    for run in [&a, &b, &chain] {
+        let end = c.get(&format!("/api/runs/{run}")).await.unwrap().body;
+        eprintln!("run {run}: attempts {} recoveries {} faults {}", end["attempts"], end["recoveries"], end["faults"]);
+        assert!(end["attempts"].as_i64().unwrap() >= 2, "the slice outlived a read-only database longer than its lease: {end}");
+    }
+    // Every thread holds each accepted turn's answer exactly once, in order, none stopped.
+    let mut threads: Vec<&String> = turns.iter().map(|(t, ..)| t).collect();
+    threads.sort();
+    threads.dedup();
+    for thread in threads {
+        let expected: Vec<&str> = turns.iter().filter(|(t, ..)| t == thread).map(|(.., text)| text.as_str()).collect();
+        let messages = all_messages(&c, thread).await;
+        let answers: Vec<&str> = messages
+            .iter()
+            .filter(|m| m["role"] == "assistant" && m["toolCalls"].as_array().is_none_or(Vec::is_empty))
+            .map(|m| m["content"].as_str().unwrap_or(""))
+            .collect();
+        let users = messages.iter().filter(|m| m["role"] == "user").count();
+        assert_eq!(answers, expected, "thread {thread}");
+        assert_eq!(users, expected.len(), "thread {thread}: one user message per accepted turn");
+        let tools = messages.iter().filter(|m| m["role"] == "tool").count();
+        assert_eq!(tools, if *thread == chained { 12 } else { 0 }, "thread {thread}: each tool step once");
+        assert!(messages.iter().all(|m| m["stopped"] != true), "thread {thread}: {messages:?}");
+    }
+    for p in std::iter::once(&mut stack.api).chain(stack.workers.iter_mut()) {
+        assert!(p.child.try_wait().unwrap().is_none(), "{} exited", p.name);
+    }
+    eprintln!("all {} runs completed {:?} after the database became writable", turns.len(), started.elapsed() - read_only_for);
+}
