@@ -5,36 +5,41 @@
 -- turn, in the caller's order (the workers sort items by thread id: one lock order for every
 -- group), in one transaction with one notification flush. Each item is exactly the call it
 -- would have been alone — its own fence, its own commit id (a replayed group returns each
--- item's first result) — so a group is as replay-safe as its items. A group that fails is
--- split by the caller and each item sent alone (`shared/src/store/group.rs`), so one item's
--- error never becomes another's.
+-- item's first result) — so a group is as replay-safe as its items. A group is tried once; one
+-- that fails (a lock wait past its 250 ms lock_timeout included) is split by the caller and each
+-- item sent alone (`shared/src/store/group.rs`), so one item's error or wait never becomes
+-- another's.
 --
 -- Measured before building it, with pgbench driving the workers' SQL (8 clients, 2 cores):
 -- four runs per group (claim of 4, 4 starts in one statement, 4 commits in one statement)
 -- completed 1.7-2x the runs per second of one run at a time.
 
--- p = {items: [agentloop_commit values]}; returns the array of their results, in order.
-CREATE FUNCTION agentloop_commit_group(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+-- p = {items: [agentloop_commit values]}; returns the array of their results, in order. A group
+-- waits at most 250 ms for any lock (an item whose thread another session holds): it then fails
+-- as a whole and the caller sends each item alone, so a blocked item holds up no other.
+CREATE FUNCTION agentloop_commit_group(p jsonb) RETURNS jsonb LANGUAGE plpgsql
+SET lock_timeout = '250ms' AS $$
 DECLARE
     v_item jsonb;
-    v_out jsonb := '[]'::jsonb;
+    v_out jsonb[] := '{}';
 BEGIN
     FOR v_item IN SELECT value FROM jsonb_array_elements(p -> 'items') WITH ORDINALITY ORDER BY ordinality LOOP
-        v_out := v_out || jsonb_build_array(agentloop_commit(v_item));
+        v_out := v_out || agentloop_commit(v_item);
     END LOOP;
-    RETURN v_out;
+    RETURN to_jsonb(v_out);
 END $$;
 
--- p = {items: [agentloop_slice_start values]}; returns the array of their results, in order.
-CREATE FUNCTION agentloop_slice_start_group(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+-- p = {items: [agentloop_slice_start values]}; as agentloop_commit_group.
+CREATE FUNCTION agentloop_slice_start_group(p jsonb) RETURNS jsonb LANGUAGE plpgsql
+SET lock_timeout = '250ms' AS $$
 DECLARE
     v_item jsonb;
-    v_out jsonb := '[]'::jsonb;
+    v_out jsonb[] := '{}';
 BEGIN
     FOR v_item IN SELECT value FROM jsonb_array_elements(p -> 'items') WITH ORDINALITY ORDER BY ordinality LOOP
-        v_out := v_out || jsonb_build_array(agentloop_slice_start(v_item));
+        v_out := v_out || agentloop_slice_start(v_item);
     END LOOP;
-    RETURN v_out;
+    RETURN to_jsonb(v_out);
 END $$;
 
 -- As in 000018, but a deferred notification on the same channel as the one deferred just before

@@ -402,13 +402,15 @@ async fn grouped_calls_share_one_statement_and_a_failing_group_is_split() {
     setup
         .batch_execute(
             "CREATE SEQUENCE test_groups; CREATE TABLE test_group_items (n int, thread text);
+             CREATE TABLE test_locks (k text PRIMARY KEY); INSERT INTO test_locks VALUES ('t-held');
              CREATE FUNCTION test_step(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
              BEGIN
+                 PERFORM 1 FROM test_locks WHERE k = p ->> 'threadId' FOR UPDATE;
                  PERFORM pg_sleep(coalesce((p ->> 'sleepMs')::float8, 0) / 1000);
                  IF (p ->> 'poison')::boolean THEN RAISE EXCEPTION 'poison item'; END IF;
                  RETURN jsonb_build_object('echo', p -> 'threadId');
              END $$;
-             CREATE FUNCTION test_step_group(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+             CREATE FUNCTION test_step_group(p jsonb) RETURNS jsonb LANGUAGE plpgsql SET lock_timeout = '250ms' AS $$
              DECLARE v_item jsonb; v_out jsonb := '[]'; v_n bigint := nextval('test_groups');
              BEGIN
                  FOR v_item IN SELECT value FROM jsonb_array_elements(p -> 'items') WITH ORDINALITY ORDER BY ordinality LOOP
@@ -429,7 +431,7 @@ async fn grouped_calls_share_one_statement_and_a_failing_group_is_split() {
     };
     let store = Store::with_deferred_notifications(&settings, Timing { call_timeout: Duration::from_secs(5), retry_for: Duration::from_secs(5) })
         .unwrap()
-        .grouping(&[("test_step", "test_step_group")]);
+        .grouping(&[agentloop_shared::store::group::GroupSpec { function: "test_step", group_function: "test_step_group", max_items: 32 }]);
     let deadline = || Some(Instant::now() + Duration::from_secs(5));
     async fn groups(setup: &tokio_postgres::Client) -> Vec<Vec<String>> {
         let rows = setup.query("SELECT n, array_agg(thread ORDER BY thread) FROM test_group_items GROUP BY n ORDER BY n", &[]).await.unwrap();
@@ -487,4 +489,48 @@ async fn grouped_calls_share_one_statement_and_a_failing_group_is_split() {
     assert!(groups(&setup).await.is_empty(), "the failed group's rows were kept");
     let groups_sent: i64 = setup.query_one("SELECT last_value FROM test_groups", &[]).await.unwrap().get(0);
     assert_eq!(groups_sent, 2, "the poison round was not tried as one group first");
+
+    // An item whose lock another session holds: the group gives up after its lock timeout and is
+    // split, so the other items answer at once instead of waiting behind it; the blocked item
+    // answers once the lock is gone.
+    let holder = db.client().await.unwrap();
+    holder.batch_execute("BEGIN; SELECT 1 FROM test_locks WHERE k = 't-held' FOR UPDATE").await.unwrap();
+    let held_at = Instant::now();
+    let slow = tokio::spawn({
+        let store = store.clone();
+        async move { store.call("test_step", &json!({"threadId": "t-slow", "sleepMs": 400}), Replay::Safe, deadline()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let calls: Vec<_> = ["t-free1", "t-held", "t-free2"]
+        .into_iter()
+        .map(|t| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let result = store.call("test_step", &json!({"threadId": t}), Replay::Safe, deadline()).await;
+                (result, held_at.elapsed())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    holder.batch_execute("COMMIT").await.unwrap();
+    let results: Vec<_> = futures_util::future::join_all(calls).await.into_iter().map(|r| r.unwrap()).collect();
+    slow.await.unwrap().unwrap();
+    for (i, t) in [(0, "t-free1"), (2, "t-free2")] {
+        assert_eq!(results[i].0.as_ref().unwrap(), &json!({"echo": t}));
+        assert!(results[i].1 < Duration::from_millis(2000), "{t} waited {:?} behind a blocked item", results[i].1);
+    }
+    assert_eq!(results[1].0.as_ref().unwrap(), &json!({"echo": "t-held"}));
+    assert!(results[1].1 >= Duration::from_millis(2500), "the blocked item answered before its lock was free");
+    let groups_sent: i64 = setup.query_one("SELECT last_value FROM test_groups", &[]).await.unwrap().get(0);
+    assert_eq!(groups_sent, 3, "the blocked round was not tried as one group first");
+
+    // The worker's group functions carry the same lock timeout.
+    let configs: Vec<String> = setup
+        .query("SELECT array_to_string(proconfig, ',') FROM pg_proc WHERE proname IN ('agentloop_commit_group', 'agentloop_slice_start_group')", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, Option<String>>(0).unwrap_or_default())
+        .collect();
+    assert_eq!(configs, vec!["lock_timeout=250ms".to_owned(); 2]);
 }

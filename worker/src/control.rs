@@ -94,7 +94,16 @@ impl SliceControl {
 
     /// Records that the lease was extended now.
     pub fn confirm(&self) {
-        self.state.lock().expect("slice state").confirmed = Instant::now();
+        self.confirm_at(Instant::now());
+    }
+
+    /// Records that the lease was extended by a statement sent at `sent` (the database counts
+    /// the extension from its transaction's start, which is no earlier): a step that waited —
+    /// for a lock, or for the other items of its group — does not count the wait as lease time.
+    /// Never moves the confirmation back.
+    pub fn confirm_at(&self, sent: Instant) {
+        let mut state = self.state.lock().expect("slice state");
+        state.confirmed = state.confirmed.max(sent);
     }
 
     /// Records that the slice committed its end (the lease is released, not lost).

@@ -18,6 +18,7 @@ use agentloop_shared::events::RUNS_CHANNEL;
 use agentloop_shared::provider::client::ProviderClient;
 use agentloop_shared::scheduler::listener::{self, ListenerEvent};
 use agentloop_shared::scheduler::{self, step};
+use agentloop_shared::store::group::GroupSpec;
 use agentloop_shared::store::{PoolSettings, Store, Timing};
 use agentloop_shared::tools::{BuiltinToolConfig, ToolRegistry, ToolsConfig};
 use anyhow::Context;
@@ -60,9 +61,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     // `Store::with_deferred_notifications`).
     // Checkpoints and slice starts that meet are sent as one statement (issue 9: grouped
     // commits; `agentloop_shared::store::group`).
+    // A start's answer carries the thread's whole context: fewer per group.
     let store = Store::with_deferred_notifications(&settings, timing)?.grouping(&[
-        ("agentloop_commit", "agentloop_commit_group"),
-        ("agentloop_slice_start", "agentloop_slice_start_group"),
+        GroupSpec { function: "agentloop_commit", group_function: "agentloop_commit_group", max_items: 32 },
+        GroupSpec { function: "agentloop_slice_start", group_function: "agentloop_slice_start_group", max_items: 8 },
     ]);
     // Renewals never notify: the keeper needs no flush behind each one.
     let keeper_store = Store::new(

@@ -136,7 +136,7 @@ impl Slice {
         match result? {
             Some(done) => {
                 self.usage = Usage::default();
-                self.control.confirm();
+                self.control.confirm_at(started);
                 if ends {
                     self.control.end();
                 }
@@ -305,6 +305,7 @@ async fn body(slice: &mut Slice, run: &Run, claim_start: Option<serde_json::Valu
     let mut tool_tokens = env.schema_tokens(&tool_specs);
     let deadline = slice.control.confirmed() + env.lease.saturating_sub(env.renew / 2);
     let from_claim = claim_start.is_some();
+    let sent = Instant::now();
     let started = match claim_start {
         Some(value) => step::started_from(value)?,
         None => {
@@ -331,7 +332,7 @@ async fn body(slice: &mut Slice, run: &Run, claim_start: Option<serde_json::Valu
     // A start made by the claim extended the lease no later than the claim was sent, which
     // is what the control already counts from.
     if !from_claim {
-        slice.control.confirm();
+        slice.control.confirm_at(sent);
     }
     slice.step_id = Some(start.step.id);
     tracing::info!(step.sequence = start.step.sequence, model.name = %model.id, run.kind = %run.kind, "slice started");

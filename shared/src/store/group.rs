@@ -14,11 +14,16 @@
 //! - Each item is exactly the call it would have been alone (its own fence, its own commit id),
 //!   so a group is replay-safe when its items are; only [`crate::store::Replay::Safe`] calls are
 //!   grouped.
-//! - A group that fails for any reason is split: each item is sent again alone, with its own
-//!   deadline ([`Store::call`]'s retries), so one item's error never becomes another's.
-//! - A call whose caller has gone (an aborted slice) is dropped before its group is sent.
+//! - A group is tried ONCE, and its group function waits at most 250 ms for any lock
+//!   (`lock_timeout` on the function): a group that fails for any reason — an item whose
+//!   thread another session holds, a poison item, a lost connection — is split, and each item
+//!   sent alone with its own deadline and retries ([`Store::call`]), outside the group slot. So
+//!   one item's error or lock wait never becomes another's, and a blocked item stalls the
+//!   worker's other steps for at most the lock timeout, not for its own wait.
+//! - A call whose caller has gone (an aborted slice) is dropped before its group is sent; one
+//!   whose deadline passed while it waited gets `Unavailable`, as a call past its deadline does.
 //! - Memory: at most one waiting call per slice (each slice awaits its call), bounded by the
-//!   worker's concurrency; a group holds at most [`MAX_ITEMS`] items.
+//!   worker's concurrency; a group holds at most [`GroupSpec::max_items`] items.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,17 +36,27 @@ use super::{Replay, Store, StoreError};
 /// Groups of one function in flight at once, per store. One: calls that arrive while a group
 /// runs form the next one. bench-scheduler, 2 workers x 16 slots, same hour: 497 / 443 runs/s
 /// with one in flight, 394 / 359 with two (groups rarely form), 374 / 346 ungrouped. A group
-/// waits only for the locks its items would have waited for alone, and every step statement
-/// holds its locks for one statement, so one group in flight does not stall the others for long.
+/// waits for a lock at most 250 ms before it is split (see the module docs), so one group in
+/// flight does not stall the others for long.
 pub const MAX_IN_FLIGHT: usize = 1;
-/// Items of one group at most.
-pub const MAX_ITEMS: usize = 32;
 
 /// One waiting call.
 struct Request {
     arg: Value,
     deadline: Instant,
     reply: oneshot::Sender<Result<Value, StoreError>>,
+}
+
+/// One grouped step function ([`Store::grouping`]).
+#[derive(Debug, Clone, Copy)]
+pub struct GroupSpec {
+    /// The step function, e.g. `agentloop_commit`.
+    pub function: &'static str,
+    /// Its group function: `{items: [arg, ...]}` -> `[result, ...]`, in order.
+    pub group_function: &'static str,
+    /// Items of one group at most (bounds a group's statement time and answer size: a slice
+    /// start's answer carries the thread's whole context).
+    pub max_items: usize,
 }
 
 /// The sender side of one grouped function ([`Store::grouping`]).
@@ -51,11 +66,11 @@ pub(crate) struct Grouper {
 }
 
 impl Grouper {
-    /// Starts the task of `function` (grouped as `group_function`) on `store`, a store without
-    /// groupers (the task must not keep its own channel open).
-    pub(crate) fn spawn(store: Store, function: &'static str, group_function: &'static str) -> Self {
+    /// Starts the task of `spec` on `store`, a store without groupers (the task must not keep
+    /// its own channel open).
+    pub(crate) fn spawn(store: Store, spec: GroupSpec) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(store, function, group_function, rx));
+        tokio::spawn(run(store, spec, rx));
         Self { tx }
     }
 
@@ -70,13 +85,13 @@ impl Grouper {
     }
 }
 
-async fn run(store: Store, function: &'static str, group_function: &'static str, mut rx: mpsc::UnboundedReceiver<Request>) {
+async fn run(store: Store, spec: GroupSpec, mut rx: mpsc::UnboundedReceiver<Request>) {
     let permits = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     while let Some(first) = rx.recv().await {
         // Waiting for a permit is where a group forms: calls arriving meanwhile join it.
         let Ok(permit) = permits.clone().acquire_owned().await else { return };
         let mut batch = vec![first];
-        while batch.len() < MAX_ITEMS {
+        while batch.len() < spec.max_items.max(1) {
             match rx.try_recv() {
                 Ok(request) => batch.push(request),
                 Err(_) => break,
@@ -84,48 +99,51 @@ async fn run(store: Store, function: &'static str, group_function: &'static str,
         }
         let store = store.clone();
         tokio::spawn(async move {
-            send(&store, function, group_function, batch).await;
+            let left = send(&store, spec, batch).await;
+            // The next group need not wait for the items sent alone.
             drop(permit);
+            alone(&store, spec.function, left).await;
         });
     }
 }
 
-/// Sends `batch`: alone when it is one call, else as one group, split on failure.
-async fn send(store: &Store, function: &'static str, group_function: &'static str, mut batch: Vec<Request>) {
+/// Sends `batch` as one group, in ONE attempt; returns the items to send alone: all of them
+/// when the group failed for any reason (a lock wait past the group's `lock_timeout`, a poison
+/// item, a lost connection: each item then replays or fails on its own), or a lone item.
+async fn send(store: &Store, spec: GroupSpec, mut batch: Vec<Request>) -> Vec<Request> {
+    let now = Instant::now();
     batch.retain(|r| !r.reply.is_closed());
+    let (expired, mut batch): (Vec<_>, Vec<_>) = batch.into_iter().partition(|r| r.deadline <= now);
+    for r in expired {
+        let _ = r.reply.send(Err(StoreError::Unavailable("the deadline passed while the call waited for its group".into())));
+    }
     if batch.len() <= 1 {
-        if let Some(r) = batch.pop() {
-            let result = store.call(function, &r.arg, Replay::Safe, Some(r.deadline)).await;
-            let _ = r.reply.send(result);
-        }
-        return;
+        return batch;
     }
     batch.sort_by(|a, b| a.arg["threadId"].as_str().cmp(&b.arg["threadId"].as_str()));
-    let deadline = batch.iter().map(|r| r.deadline).min().unwrap_or_else(Instant::now);
-    let items: Vec<Value> = batch.iter_mut().map(|r| r.arg.take()).collect();
-    let n = items.len();
-    let group = json!({ "items": items });
-    metrics::histogram!("agentloop_step_group_items", "function" => function).record(n as f64);
-    match store.call(group_function, &group, Replay::Safe, Some(deadline)).await {
+    let n = batch.len();
+    let group = json!({ "items": batch.iter().map(|r| r.arg.clone()).collect::<Vec<_>>() });
+    metrics::histogram!("agentloop_step_group_items", "function" => spec.function).record(n as f64);
+    let error = match store.attempt(spec.group_function, &crate::text::clean_json(&group), true).await {
         Ok(Value::Array(results)) if results.len() == n => {
             for (r, value) in batch.into_iter().zip(results) {
                 let _ = r.reply.send(Ok(value));
             }
+            return Vec::new();
         }
-        other => {
-            let error = match other {
-                Ok(value) => format!("unexpected group answer: {}", value.to_string().chars().take(200).collect::<String>()),
-                Err(e) => e.to_string(),
-            };
-            tracing::warn!(db.function = group_function, items = n, %error, "group failed; sending its items one by one");
-            metrics::counter!("agentloop_step_groups_split_total", "function" => function).increment(1);
-            let Value::Object(mut group) = group else { unreachable!("built above") };
-            let Some(Value::Array(items)) = group.remove("items") else { unreachable!("built above") };
-            let calls = batch.into_iter().zip(items).map(|(r, arg)| async move {
-                let result = store.call(function, &arg, Replay::Safe, Some(r.deadline)).await;
-                let _ = r.reply.send(result);
-            });
-            futures_util::future::join_all(calls).await;
-        }
-    }
+        Ok(value) => format!("unexpected group answer: {}", value.to_string().chars().take(200).collect::<String>()),
+        Err(fault) => format!("{fault:?}"),
+    };
+    tracing::warn!(db.function = spec.group_function, items = n, %error, "group failed; sending its items one by one");
+    metrics::counter!("agentloop_step_groups_split_total", "function" => spec.function).increment(1);
+    batch
+}
+
+/// Sends each item alone ([`Store::call`]: its own retries, until its own deadline).
+async fn alone(store: &Store, function: &'static str, items: Vec<Request>) {
+    let calls = items.into_iter().map(|r| async move {
+        let result = store.call(function, &r.arg, Replay::Safe, Some(r.deadline)).await;
+        let _ = r.reply.send(result);
+    });
+    futures_util::future::join_all(calls).await;
 }

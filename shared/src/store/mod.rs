@@ -92,13 +92,13 @@ impl Store {
         Ok(Self { pool: pool::build_with(settings, "", true)?, timing, groups: Default::default() })
     }
 
-    /// This store, with the replay-safe calls of each `(function, group_function)` pair
-    /// grouped: calls that wait while earlier ones run are sent together as one call of
-    /// `group_function` (`{items: [arg, ...]}` -> `[result, ...]`), see [`group`]. Needs a
-    /// tokio runtime (one task per pair).
-    pub fn grouping(self, pairs: &[(&'static str, &'static str)]) -> Self {
+    /// This store, with the replay-safe calls of each spec's function grouped: calls that wait
+    /// while an earlier group runs are sent together as one call of its group function
+    /// (`{items: [arg, ...]}` -> `[result, ...]`), see [`group`]. Needs a tokio runtime (one
+    /// task per spec).
+    pub fn grouping(self, specs: &[group::GroupSpec]) -> Self {
         let inner = Self { groups: Default::default(), ..self.clone() };
-        let groups = pairs.iter().map(|&(function, group_function)| (function, group::Grouper::spawn(inner.clone(), function, group_function))).collect();
+        let groups = specs.iter().map(|&spec| (spec.function, group::Grouper::spawn(inner.clone(), spec))).collect();
         Self { groups: std::sync::Arc::new(groups), ..self }
     }
 
