@@ -20,8 +20,12 @@
 //!   sent alone with its own deadline and retries ([`Store::call`]), outside the group slot. So
 //!   one item's error or lock wait never becomes another's, and a blocked item stalls the
 //!   worker's other steps for at most the lock timeout, not for its own wait.
-//! - A call whose caller has gone (an aborted slice) is dropped before its group is sent; one
-//!   whose deadline passed while it waited gets `Unavailable`, as a call past its deadline does.
+//! - A call whose caller has gone (an aborted slice) is dropped before its group is sent, and a
+//!   call sent alone is dropped when its caller goes (CI found a lone checkpoint of an aborted
+//!   slice landing after the outage that aborted it, extending a lease nobody executed); one
+//!   whose deadline passed while it waited is sent alone, once, without retries — what
+//!   [`Store::call`] gives any call past its deadline (a slice's hand-back must still be tried:
+//!   CI caught a version that refused it).
 //! - Memory: at most one waiting call per slice (each slice awaits its call), bounded by the
 //!   worker's concurrency; a group holds at most [`GroupSpec::max_items`] items.
 
@@ -113,12 +117,12 @@ async fn run(store: Store, spec: GroupSpec, mut rx: mpsc::UnboundedReceiver<Requ
 async fn send(store: &Store, spec: GroupSpec, mut batch: Vec<Request>) -> Vec<Request> {
     let now = Instant::now();
     batch.retain(|r| !r.reply.is_closed());
-    let (expired, mut batch): (Vec<_>, Vec<_>) = batch.into_iter().partition(|r| r.deadline <= now);
-    for r in expired {
-        let _ = r.reply.send(Err(StoreError::Unavailable("the deadline passed while the call waited for its group".into())));
-    }
+    // A call whose deadline passed while it waited goes alone: one attempt and no retry, as
+    // `Store::call` gives any call past its deadline (a slice's hand-back must still be tried).
+    let (mut left, mut batch): (Vec<_>, Vec<_>) = batch.into_iter().partition(|r| r.deadline <= now);
     if batch.len() <= 1 {
-        return batch;
+        left.append(&mut batch);
+        return left;
     }
     batch.sort_by(|a, b| a.arg["threadId"].as_str().cmp(&b.arg["threadId"].as_str()));
     let n = batch.len();
@@ -129,20 +133,27 @@ async fn send(store: &Store, spec: GroupSpec, mut batch: Vec<Request>) -> Vec<Re
             for (r, value) in batch.into_iter().zip(results) {
                 let _ = r.reply.send(Ok(value));
             }
-            return Vec::new();
+            return left;
         }
         Ok(value) => format!("unexpected group answer: {}", value.to_string().chars().take(200).collect::<String>()),
         Err(fault) => format!("{fault:?}"),
     };
     tracing::warn!(db.function = spec.group_function, items = n, %error, "group failed; sending its items one by one");
     metrics::counter!("agentloop_step_groups_split_total", "function" => spec.function).increment(1);
-    batch
+    left.append(&mut batch);
+    left
 }
 
-/// Sends each item alone ([`Store::call`]: its own retries, until its own deadline).
+/// Sends each item alone ([`Store::call`]: its own retries, until its own deadline). A call
+/// whose caller goes away meanwhile (a slice aborted on a lost lease or a cancel) is dropped
+/// with it, as the caller's own call future would have been: a step its slice gave up on must
+/// not land later and extend a lease nobody executes.
 async fn alone(store: &Store, function: &'static str, items: Vec<Request>) {
-    let calls = items.into_iter().map(|r| async move {
-        let result = store.call(function, &r.arg, Replay::Safe, Some(r.deadline)).await;
+    let calls = items.into_iter().map(|mut r| async move {
+        let result = tokio::select! {
+            result = store.call(function, &r.arg, Replay::Safe, Some(r.deadline)) => result,
+            _ = r.reply.closed() => return,
+        };
         let _ = r.reply.send(result);
     });
     futures_util::future::join_all(calls).await;
