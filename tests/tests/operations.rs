@@ -534,3 +534,66 @@ async fn grouped_calls_share_one_statement_and_a_failing_group_is_split() {
         .collect();
     assert_eq!(configs, vec!["lock_timeout=250ms".to_owned(); 2]);
 }
+
+/// Retention's purge never waits for a row lock (migration 000023): deleting a thread row sets
+/// NULL in the rows of other threads that point at it (a child thread, a run compacted from it),
+/// and the foreign key used to lock them in storage order, waiting — out of the one lock order
+/// (thread ids ascending), so a group of steps holding two such threads could deadlock with it.
+/// Now a held child or run leaves the thread row to the next pass, and the purge returns at once.
+#[tokio::test]
+async fn the_purge_never_waits_for_a_thread_or_run_another_session_holds() {
+    let db = agentloop_tests::TestDb::create().await.unwrap();
+    let admin = db.client().await.unwrap();
+    let principal = Uuid::new_v4();
+    admin.execute("INSERT INTO principals (id, name) VALUES ($1, 'purger')", &[&principal]).await.unwrap();
+    // Two live threads with a run each, and a thread deleted long ago that both point at.
+    admin.execute(agentloop_tests::ENQUEUE_SQL, &[&principal, &2i32, &"hi"]).await.unwrap();
+    let live: Vec<(Uuid, Uuid)> =
+        admin.query("SELECT thread_id, id FROM runs ORDER BY thread_id", &[]).await.unwrap().iter().map(|r| (r.get(0), r.get(1))).collect();
+    let gone = Uuid::new_v4();
+    admin
+        .execute(
+            "INSERT INTO threads (id, owner_id, title, deleted_at) VALUES ($1, $2, 'gone', now() - interval '10 hours')",
+            &[&gone, &principal],
+        )
+        .await
+        .unwrap();
+    admin.execute("UPDATE threads SET parent_thread_id = $1 WHERE id = $2", &[&gone, &live[0].0]).await.unwrap();
+    admin.execute("UPDATE runs SET source_thread_id = $1 WHERE id = $2", &[&gone, &live[1].1]).await.unwrap();
+
+    let purger = db.client().await.unwrap();
+    purger.batch_execute("SET statement_timeout = '5s'").await.unwrap();
+    let purge = || async {
+        let started = Instant::now();
+        let answer: serde_json::Value = purger
+            .query_one("SELECT agentloop_purge_threads('{\"rows\": 1000, \"keepHours\": 1}'::jsonb)", &[])
+            .await
+            .expect("the purge waited for a lock (statement timeout)")
+            .get(0);
+        assert!(started.elapsed() < Duration::from_secs(2), "the purge took {:?}", started.elapsed());
+        answer
+    };
+    let exists = |id: Uuid| {
+        let admin = &admin;
+        async move { admin.query_one("SELECT count(*) FROM threads WHERE id = $1", &[&id]).await.unwrap().get::<_, i64>(0) == 1 }
+    };
+    // Another session holds the child thread, then the run: the thread row stays for later.
+    for held in ["SELECT 1 FROM threads WHERE id = $1 FOR NO KEY UPDATE", "SELECT 1 FROM runs WHERE id = $1 FOR NO KEY UPDATE"] {
+        let holder = db.client().await.unwrap();
+        holder.batch_execute("BEGIN").await.unwrap();
+        let id = if held.contains("threads") { live[0].0 } else { live[1].1 };
+        holder.execute(held, &[&id]).await.unwrap();
+        let answer = purge().await;
+        assert_eq!(answer["threads"], 0, "{answer}");
+        assert!(exists(gone).await, "the thread row was deleted while a row pointing at it was held");
+        holder.batch_execute("COMMIT").await.unwrap();
+    }
+    // Nothing held: the row goes, and what pointed at it is NULL; the live data is untouched.
+    let answer = purge().await;
+    assert_eq!(answer["threads"], 1, "{answer}");
+    assert!(!exists(gone).await);
+    let parent: Option<Uuid> = admin.query_one("SELECT parent_thread_id FROM threads WHERE id = $1", &[&live[0].0]).await.unwrap().get(0);
+    let source: Option<Uuid> = admin.query_one("SELECT source_thread_id FROM runs WHERE id = $1", &[&live[1].1]).await.unwrap().get(0);
+    assert_eq!((parent, source), (None, None));
+    assert!(exists(live[0].0).await && exists(live[1].0).await);
+}

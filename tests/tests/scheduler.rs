@@ -489,3 +489,39 @@ async fn an_idle_workers_claim_starts_the_slice_of_a_fresh_run() {
         assert!(claimed.contains(expected), "{claimed}");
     }
 }
+
+/// A run its worker owns but no longer executes — its slice ended and the hand-back could not
+/// be written (a database outage longer than the store's retry window) — is claimable once its
+/// lease expires, and the claim's timer (`nextExpiryMs`) says when, so the worker claims it
+/// then (migration 000023). The timer used to count other owners' leases only, and with no
+/// other event such a run waited for the safety poll (60 s). Runs the caller executes (in
+/// flight, or claimed by this very pass) are not counted: their leases are renewed.
+#[tokio::test]
+async fn the_claim_timer_counts_the_callers_own_runs_it_no_longer_executes() {
+    use agentloop_shared::store::{PoolSettings, Replay, Store, Timing};
+    let stack = Stack::start("own_expiry", StackOptions { workers: 0, ..Default::default() }).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let run = c.chat(&thread, "hello").await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let store = Store::new(
+        &PoolSettings { database_url: stack.db.url.clone(), application_name: "test".into(), statement_timeout: Duration::from_secs(10), max_size: 2, wait_timeout: Duration::from_secs(5) },
+        Timing { call_timeout: Duration::from_secs(10), retry_for: Duration::from_secs(5) },
+    )
+    .unwrap();
+    let claim = |inflight: Value| json!({"owner": "w-own", "limit": 4, "leaseMs": 3000, "inflight": inflight, "adopt": false});
+    let first = store.call("agentloop_claim", &claim(json!([])), Replay::Safe, None).await.unwrap();
+    assert_eq!(first["runs"][0]["id"], run.as_str(), "{first}");
+    assert!(first["nextExpiryMs"].is_null(), "a run claimed by this pass is in flight: {first}");
+    let busy = store.call("agentloop_claim", &claim(json!([run])), Replay::Safe, None).await.unwrap();
+    assert_eq!(busy["runs"], json!([]), "{busy}");
+    assert!(busy["nextExpiryMs"].is_null(), "the worker renews what it executes: {busy}");
+    // The slice ended without handing the run back.
+    let idle = store.call("agentloop_claim", &claim(json!([])), Replay::Safe, None).await.unwrap();
+    assert_eq!(idle["runs"], json!([]), "the lease is live: {idle}");
+    let ms = idle["nextExpiryMs"].as_i64().unwrap_or_else(|| panic!("no timer for the worker's own idle run: {idle}"));
+    assert!((0..=3000).contains(&ms), "{idle}");
+    tokio::time::sleep(Duration::from_millis(ms as u64 + 100)).await;
+    let again = store.call("agentloop_claim", &claim(json!([])), Replay::Safe, None).await.unwrap();
+    assert_eq!(again["runs"][0]["id"], run.as_str(), "claimed back once its lease expired: {again}");
+    assert_eq!(again["runs"][0]["recoveries"], 1);
+}

@@ -1,0 +1,179 @@
+-- The claim's timer counts the caller's own idle runs, and the purge never waits for a thread
+-- out of order (issue 9: one lock order; a run's lease expiry wakes a worker).
+--
+-- 1. agentloop_claim's `nextExpiryMs` told the worker when the next lease of ANOTHER owner
+--    expires, so it could claim that run then. A run the caller owns but no longer executes
+--    (its slice ended and the hand-back could not be written: a database outage longer than the
+--    store's retry window; a late statement that extended a lease after the slice gave up) is
+--    claimable once its lease expires too, but nothing woke the worker for it: with no other
+--    event it waited for the safety poll (60 s by default). The timer now counts every running
+--    run but the caller's own in-flight runs (`inflight`, which the worker renews).
+--    The start loop moves to agentloop_claim_starts, so a later change to either part replaces
+--    less.
+--
+-- 2. agentloop_purge_threads deleted a thread row and let the foreign keys
+--    `threads.parent_thread_id` and `runs.source_thread_id` (ON DELETE SET NULL) lock the
+--    referencing rows in storage order, waiting for each. A group of steps or a stream flush
+--    holding two such child threads could deadlock with it (docs/architecture.md, "Lock
+--    order"). The purge now locks the referencing rows itself, child threads in id order, with
+--    SKIP LOCKED: when one is held, the thread row waits for the next pass; the purge never
+--    waits for a thread or run lock.
+
+-- p = {owner, limit, leaseMs, inflight, adopt, start}; the answer's `starts` as before (000020).
+CREATE OR REPLACE FUNCTION agentloop_claim_starts(p jsonb, p_fresh uuid[]) RETURNS jsonb LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_owner text := p ->> 'owner';
+    v_start jsonb := p -> 'start';
+    v_starts jsonb := '{}'::jsonb;
+    v_started int := 0;
+    v_id uuid;
+    fr runs;
+    m jsonb;
+BEGIN
+    IF jsonb_typeof(v_start) IS DISTINCT FROM 'object' THEN
+        RETURN v_starts;
+    END IF;
+    FOREACH v_id IN ARRAY p_fresh LOOP
+        EXIT WHEN v_started >= coalesce((v_start ->> 'limit')::int, 0)
+               OR pg_column_size(v_starts) >= coalesce((v_start ->> 'maxBytes')::bigint, 4194304);
+        SELECT * INTO fr FROM runs WHERE id = v_id;
+        m := v_start -> 'models' -> fr.model;
+        CONTINUE WHEN jsonb_typeof(m) IS DISTINCT FROM 'object'
+                   OR fr.faults > coalesce((v_start ->> 'maxRecoveries')::int, 2147483647)
+                   OR fr.cancel_requested_at IS NOT NULL
+                   OR fr.steps_used >= fr.max_steps;
+        BEGIN
+            PERFORM 1 FROM threads WHERE id = fr.thread_id FOR NO KEY UPDATE SKIP LOCKED;
+            IF FOUND THEN
+                v_starts := v_starts || jsonb_build_object(fr.id::text, agentloop_slice_start(jsonb_build_object(
+                    'runId', fr.id, 'threadId', fr.thread_id, 'owner', v_owner, 'epoch', fr.lease_epoch,
+                    'leaseMs', (p ->> 'leaseMs')::bigint, 'stepSequence', fr.steps_used + 1,
+                    'model', m -> 'model', 'toolTokens', m -> 'toolTokens', 'contextLimit', m -> 'contextLimit')));
+                v_started := v_started + 1;
+            END IF;
+        EXCEPTION WHEN OTHERS THEN
+            -- Rolled back to before this start; the worker starts the run itself.
+            NULL;
+        END;
+    END LOOP;
+    RETURN v_starts;
+END $$;
+
+-- As in 000021, with the start loop in agentloop_claim_starts and the timer counting the
+-- caller's runs that are not in flight.
+CREATE OR REPLACE FUNCTION agentloop_claim(p jsonb) RETURNS jsonb LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_owner text := p ->> 'owner';
+    v_lease interval := make_interval(secs => (p ->> 'leaseMs')::bigint / 1000.0);
+    v_inflight uuid[] := coalesce((SELECT array_agg(x::uuid) FROM jsonb_array_elements_text(p -> 'inflight') x), '{}');
+    v_adopted jsonb;
+    v_claimed jsonb;
+    v_fresh uuid[];
+    v_mine uuid[];
+    v_starts jsonb;
+    v_n int;
+BEGIN
+    IF coalesce((p ->> 'adopt')::boolean, false) THEN
+        WITH a AS (
+            UPDATE runs r SET lease_expires_at = now() + v_lease
+             WHERE r.status = 'running' AND r.lease_owner = v_owner AND r.lease_expires_at > now()
+               AND NOT (r.id = ANY(v_inflight))
+            RETURNING r.seq, r.id, agentloop_run_json(r) AS j
+        )
+        SELECT coalesce(jsonb_agg(j ORDER BY seq), '[]'::jsonb), coalesce(array_agg(id), '{}')
+          INTO v_adopted, v_mine FROM a;
+    ELSE
+        v_adopted := '[]'::jsonb;
+        v_mine := '{}';
+    END IF;
+    v_n := greatest((p ->> 'limit')::int - jsonb_array_length(v_adopted), 0);
+    WITH c AS (
+        SELECT id, status AS prior FROM runs
+         WHERE status IN ('queued', 'running') AND (status = 'queued' OR lease_expires_at < now())
+         ORDER BY seq LIMIT v_n
+           FOR UPDATE SKIP LOCKED
+    ), u AS (
+        UPDATE runs r SET status = 'running', lease_owner = v_owner, lease_epoch = r.lease_epoch + 1,
+                          attempts = r.attempts + 1,
+                          recoveries = r.recoveries + (r.status = 'running')::int,
+                          faults = r.faults + (r.status = 'running')::int,
+                          lease_expires_at = now() + v_lease,
+                          started_at = coalesce(r.started_at, clock_timestamp()), updated_at = now()
+          FROM c WHERE r.id = ANY(ARRAY(SELECT id FROM c)) AND r.id = c.id
+        RETURNING r.seq, r.id, c.prior, agentloop_run_json(r) AS j
+    )
+    SELECT coalesce(jsonb_agg(j ORDER BY seq), '[]'::jsonb),
+           coalesce(array_agg(id ORDER BY seq) FILTER (WHERE prior = 'queued'), '{}'),
+           v_mine || v_inflight || coalesce(array_agg(id), '{}')
+      INTO v_claimed, v_fresh, v_mine FROM u;
+
+    v_starts := agentloop_claim_starts(p, v_fresh);
+
+    IF jsonb_array_length(v_claimed) = v_n AND v_n > 0 THEN
+        -- Every slot filled: the caller claims again when a slot frees; no timer needed.
+        RETURN jsonb_build_object('runs', v_adopted || v_claimed, 'starts', v_starts,
+                                  'nextExpiryMs', NULL, 'queuedLeft', false);
+    END IF;
+    RETURN jsonb_build_object(
+        'runs', v_adopted || v_claimed,
+        'starts', v_starts,
+        -- Every lease that can expire into a claim: other owners' runs, and the caller's own
+        -- runs it does not execute (in flight, adopted or claimed now, it renews them).
+        'nextExpiryMs', (SELECT (extract(epoch FROM (min(lease_expires_at) - now())) * 1000)::bigint
+                           FROM runs WHERE status IN ('queued', 'running') AND status = 'running'
+                            AND NOT (lease_owner IS NOT DISTINCT FROM v_owner AND id = ANY(v_mine))),
+        'queuedLeft', EXISTS (SELECT 1 FROM runs WHERE status IN ('queued', 'running') AND status = 'queued'));
+END $$;
+
+-- As in 000010, but the rows whose foreign keys point at the thread are locked first, without
+-- waiting (see 2. above).
+CREATE OR REPLACE FUNCTION agentloop_purge_threads(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_rows bigint := (p ->> 'rows')::bigint;
+    v_deleted bigint := 0;
+    v_threads int := 0;
+    v_thread uuid;
+    v_held boolean;
+BEGIN
+    LOOP
+        SELECT id INTO v_thread FROM threads
+         WHERE deleted_at IS NOT NULL AND deleted_at < now() - make_interval(hours => (p ->> 'keepHours')::int)
+         ORDER BY deleted_at LIMIT 1 FOR UPDATE SKIP LOCKED;
+        IF v_thread IS NULL THEN
+            RETURN jsonb_build_object('deleted', v_deleted, 'threads', v_threads, 'done', true);
+        END IF;
+        v_deleted := v_deleted + agentloop_delete_some('thread_events', 'thread_id = $1', v_thread, v_rows - v_deleted);
+        v_deleted := v_deleted + agentloop_delete_some('messages', 'thread_id = $1', v_thread, v_rows - v_deleted);
+        v_deleted := v_deleted + agentloop_delete_some('context_snapshots', 'thread_id = $1', v_thread, v_rows - v_deleted);
+        v_deleted := v_deleted + agentloop_delete_some('tool_approvals', 'thread_id = $1', v_thread, v_rows - v_deleted);
+        v_deleted := v_deleted + agentloop_delete_some('operations', 'thread_id = $1', v_thread, v_rows - v_deleted);
+        v_deleted := v_deleted + agentloop_delete_some('run_steps',
+            'run_id IN (SELECT id FROM runs WHERE thread_id = $1)', v_thread, v_rows - v_deleted);
+        v_deleted := v_deleted + agentloop_delete_some('runs', 'thread_id = $1', v_thread, v_rows - v_deleted);
+        IF v_deleted >= v_rows THEN
+            RETURN jsonb_build_object('deleted', v_deleted, 'threads', v_threads, 'done', false);
+        END IF;
+        -- Nothing is left under it: the row itself. Rows of other threads that point at it (a
+        -- child thread, a run whose context was compacted from it) get NULL through their
+        -- foreign keys, which would lock them in storage order, waiting. So they are locked here
+        -- first: child threads in id order, then those runs, none waited for. One held by
+        -- another transaction leaves the thread row to the next pass.
+        WITH c AS (SELECT id FROM threads WHERE parent_thread_id = v_thread ORDER BY id FOR NO KEY UPDATE SKIP LOCKED),
+             r AS (SELECT id FROM runs WHERE source_thread_id = v_thread ORDER BY id FOR NO KEY UPDATE SKIP LOCKED)
+        SELECT (SELECT count(*) FROM c) < (SELECT count(*) FROM threads WHERE parent_thread_id = v_thread)
+            OR (SELECT count(*) FROM r) < (SELECT count(*) FROM runs WHERE source_thread_id = v_thread)
+          INTO v_held;
+        IF v_held THEN
+            RETURN jsonb_build_object('deleted', v_deleted, 'threads', v_threads, 'done', true);
+        END IF;
+        DELETE FROM threads WHERE id = v_thread;
+        v_deleted := v_deleted + 1;
+        v_threads := v_threads + 1;
+        IF v_deleted >= v_rows THEN
+            RETURN jsonb_build_object('deleted', v_deleted, 'threads', v_threads, 'done', false);
+        END IF;
+        v_thread := NULL;
+    END LOOP;
+END $$;
