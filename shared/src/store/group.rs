@@ -128,7 +128,8 @@ async fn send(store: &Store, spec: GroupSpec, mut batch: Vec<Request>) -> Vec<Re
     let n = batch.len();
     let group = json!({ "items": batch.iter().map(|r| r.arg.clone()).collect::<Vec<_>>() });
     metrics::histogram!("agentloop_step_group_items", "function" => spec.function).record(n as f64);
-    let error = match store.attempt(spec.group_function, &crate::text::clean_json(&group), true).await {
+    // Each item was cleaned when it was queued (`Store::call_with`): the group goes as it is.
+    let error = match store.attempt(spec.group_function, &group, true).await {
         Ok(Value::Array(results)) if results.len() == n => {
             for (r, value) in batch.into_iter().zip(results) {
                 let _ = r.reply.send(Ok(value));
