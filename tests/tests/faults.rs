@@ -10,10 +10,33 @@ use serde_json::json;
 
 #[tokio::test]
 async fn postgres_restart_under_load_recovers_without_restarting_processes() {
+    survive_a_server_fault("pg_restart", DbFault::Restart).await;
+}
+
+/// One backend killed with SIGKILL — what the kernel's OOM killer does to the largest process —
+/// makes the postmaster end every other session and run crash recovery: all connections of
+/// every api and worker process drop at once (`57P02`, resets), connects fail with `57P03`
+/// while recovery runs, and whatever was not committed is gone. Same promise as a restart.
+#[tokio::test]
+async fn a_backend_killed_like_the_oom_killer_does_is_crash_recovery_and_loses_nothing() {
+    survive_a_server_fault("pg_backend_sigkill", DbFault::BackendSigkill).await;
+}
+
+enum DbFault {
+    /// `pg_ctl restart -m fast`.
+    Restart,
+    /// SIGKILL to one worker backend that is running a statement (or the first one found).
+    BackendSigkill,
+}
+
+/// Eight tool-using streaming runs are under way when `fault` hits; four more are posted
+/// through the same processes afterwards. All complete with one final answer each, and no
+/// process exited.
+async fn survive_a_server_fault(name: &str, fault: DbFault) {
     let cluster = PgCluster::start().unwrap();
     let lease = vec![("WORKER_LEASE_MS".into(), "3000".into()), ("WORKER_RENEW_MS".into(), "1000".into())];
     let mut stack = Stack::start(
-        "pg_restart",
+        name,
         StackOptions { workers: 2, server: Some(cluster.admin_url()), worker_env: lease, ..Default::default() },
     )
     .await
@@ -29,7 +52,30 @@ async fn postgres_restart_under_load_recovers_without_restarting_processes() {
         runs.push(c.chat(&thread, &script(steps.clone())).await.unwrap()["run"]["id"].as_str().unwrap().to_owned());
     }
     tokio::time::sleep(Duration::from_millis(800)).await;
-    cluster.restart().unwrap();
+    match fault {
+        DbFault::Restart => cluster.restart().unwrap(),
+        DbFault::BackendSigkill => {
+            let admin = stack.db.client().await.unwrap();
+            let pid: i32 = admin
+                .query_one(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'agentloop-worker%'
+                      ORDER BY (state = 'active') DESC, pid LIMIT 1",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            drop(admin);
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Sig::SIGKILL).unwrap();
+            // The postmaster saw it and reinitialised: this is crash recovery, not one lost session.
+            let log = cluster.dir().join("log");
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !std::fs::read_to_string(&log).unwrap_or_default().contains("terminating any other active server processes") {
+                assert!(Instant::now() < deadline, "no crash recovery in the server log");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
     // New work after the restart, through the same api and workers.
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut after = Vec::new();
