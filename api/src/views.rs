@@ -913,6 +913,9 @@ pub struct DeliveryView {
 
 /// `GET /api/webhooks/{id}/deliveries`.
 #[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct DeliveryList {
     pub deliveries: Vec<DeliveryView>,
+    /// The `cursor` of the next page; null on the last page.
+    pub next_cursor: Option<String>,
 }

@@ -516,4 +516,44 @@ async fn webhooks_are_validated_bounded_and_isolated_per_principal() {
         let r = b.get(&format!("/api/webhooks/{}/deliveries?{query}", b_hook["id"].as_str().unwrap())).await.unwrap();
         assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_query")), "{query}: {r:?}");
     }
+
+    // Paging: every delivery once, in order, across pages — four of them created in the same
+    // microsecond, so the cursor must order by id within one instant — and with a filter.
+    let b_id = b_hook["id"].as_str().unwrap().to_owned();
+    db.execute(
+        "INSERT INTO webhook_deliveries (id, webhook_id, principal_id, event_type, run_id, thread_id, payload, status, finished_at, created_at)
+         SELECT gen_random_uuid(), d.webhook_id, d.principal_id, 'run.failed', d.run_id, d.thread_id, d.payload, 'failed', now(),
+                CASE WHEN i <= 4 THEN timestamptz '2026-01-01 00:00:00.000001+00' ELSE now() - i * interval '1 hour' END
+           FROM webhook_deliveries d, generate_series(1, 7) i WHERE d.webhook_id = $1",
+        &[&uuid::Uuid::parse_str(&b_id).unwrap()],
+    )
+    .await
+    .unwrap();
+    let expected: Vec<String> = db
+        .query("SELECT id::text FROM webhook_deliveries WHERE webhook_id = $1 ORDER BY created_at DESC, id", &[&uuid::Uuid::parse_str(&b_id).unwrap()])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(expected.len(), 8);
+    for (filter, want) in [("", expected.clone()), ("&status=failed", expected[1..].to_vec())] {
+        let (mut seen, mut cursor) = (Vec::new(), None::<String>);
+        loop {
+            let after = cursor.as_ref().map(|c| format!("&cursor={c}")).unwrap_or_default();
+            let r = b.get(&format!("/api/webhooks/{b_id}/deliveries?limit=3{filter}{after}")).await.unwrap();
+            assert_eq!(r.status, 200, "{r:?}");
+            seen.extend(r.body["deliveries"].as_array().unwrap().iter().map(|d| d["id"].as_str().unwrap().to_owned()));
+            match r.body["nextCursor"].as_str() {
+                Some(next) => cursor = Some(next.to_owned()),
+                None => break,
+            }
+            assert!(seen.len() <= want.len(), "paging does not end: {seen:?}");
+        }
+        assert_eq!(seen, want, "pages of {filter:?}");
+    }
+    for cursor in ["garbage", "12_not-a-uuid", "_"] {
+        let r = b.get(&format!("/api/webhooks/{b_id}/deliveries?cursor={cursor}")).await.unwrap();
+        assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_cursor")), "{cursor}: {r:?}");
+    }
 }

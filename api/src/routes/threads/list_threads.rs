@@ -24,7 +24,10 @@ pub struct ListQuery {
     pub cursor: Option<String>,
 }
 
-fn parse_cursor(cursor: &str) -> Option<(DateTime<Utc>, Uuid)> {
+/// A keyset cursor `<µs since the epoch>_<uuid>` (the position of the last item of a page
+/// ordered by a timestamp, then id), as `nextCursor` of this list and of a webhook's deliveries
+/// gives it; `None` when malformed.
+pub(crate) fn parse_cursor(cursor: &str) -> Option<(DateTime<Utc>, Uuid)> {
     let (at, id) = cursor.split_once('_')?;
     let micros: i64 = at.parse().ok()?;
     Some((DateTime::from_timestamp_micros(micros)?, Uuid::parse_str(id).ok()?))

@@ -1,4 +1,4 @@
-//! `GET /api/webhooks/{id}/deliveries?status=&limit=`.
+//! `GET /api/webhooks/{id}/deliveries?status=&limit=&cursor=`.
 
 use actix_web::{HttpResponse, web};
 use serde::Deserialize;
@@ -9,7 +9,8 @@ use crate::AppState;
 use crate::error::ApiError;
 use crate::extract::Authenticated;
 
-/// Query: `status` (`pending|delivered|failed`; default all) and `limit` (1..=200, default 50).
+/// Query: `status` (`pending|delivered|failed`; default all), `limit` (1..=200, default 50) and
+/// `cursor` (the previous page's `nextCursor`).
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
@@ -21,9 +22,13 @@ pub struct DeliveriesQuery {
     #[serde(default)]
     #[param(minimum = 1, maximum = 200)]
     pub limit: Option<i64>,
+    /// `nextCursor` of the previous page.
+    #[serde(default)]
+    #[param(max_length = 200)]
+    pub cursor: Option<String>,
 }
 
-/// `{deliveries: [...]}`, newest first: `id`, `messageId` (the `webhook-id` header), `eventType`,
+/// `{deliveries: [...], nextCursor}`, newest first (`nextCursor`: null on the last page): `id`, `messageId` (the `webhook-id` header), `eventType`,
 /// `runId`, `threadId`, `status` (`pending|delivered|failed`), `attempts`, `nextAttemptAt`,
 /// `payload` (the event as sent) and `attemptLog` (each attempt: times, `statusCode`, the start
 /// of the answer in `responseBody` (at most 1 KiB), `error`). 404 for another principal's webhook.
@@ -31,7 +36,7 @@ pub struct DeliveriesQuery {
     get, path = "/api/webhooks/{id}/deliveries", tag = "webhooks", operation_id = "list_webhook_deliveries",
     params(("id" = Uuid, Path, description = "Webhook id"), DeliveriesQuery),
     responses((status = 200, description = "The webhook's deliveries, newest first", body = crate::views::DeliveryList),
-              (status = 400, description = "`invalid_query`", body = crate::views::ErrorBody),
+              (status = 400, description = "`invalid_query`, `invalid_cursor`", body = crate::views::ErrorBody),
               (status = 404, description = "Not the caller's webhook", body = crate::views::ErrorBody))
 )]
 pub async fn list_deliveries(
@@ -53,6 +58,11 @@ pub async fn list_deliveries(
         return Err(ApiError::bad_request("invalid_query", "limit must be within 1..=200"));
     }
     arg["limit"] = limit.into();
+    if let Some(cursor) = query.cursor.as_deref() {
+        let (at, id) = crate::routes::threads::list_threads::parse_cursor(cursor)
+            .ok_or_else(|| ApiError::bad_request("invalid_cursor", "cursor is malformed"))?;
+        arg["before"] = json!({"atMicros": at.timestamp_micros(), "id": id});
+    }
     let mut conn = state.pool.get().await?;
     let deliveries = crate::reads::webhook_deliveries(&mut conn, arg).await?;
     Ok(HttpResponse::Ok().json(deliveries.ok_or(ApiError::NotFound)?))
