@@ -121,7 +121,7 @@ impl From<agentloop_shared::store::StoreError> for ApiError {
                 code,
                 message,
             },
-            E::Unavailable(message) => Self::database_unavailable(&message),
+            E::Unavailable(message) | E::Outage(message) => Self::database_unavailable(&message),
             E::OutcomeUnknown(_) => Self::Unavailable {
                 code: "outcome_unknown",
                 message: "the database connection was lost while the command was being committed: it may or may not have \

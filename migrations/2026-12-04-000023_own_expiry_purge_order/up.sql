@@ -1,5 +1,6 @@
--- The claim's timer counts the caller's own idle runs, and the purge never waits for a thread
--- out of order (issue 9: one lock order; a run's lease expiry wakes a worker).
+-- The claim's timer counts the caller's own idle runs, the claim takes back what its worker
+-- released, and the purge never waits for a thread out of order (issue 9: a lease expiry wakes a
+-- worker; transient faults never fail a run; one lock order).
 --
 -- 1. agentloop_claim's `nextExpiryMs` told the worker when the next lease of ANOTHER owner
 --    expires, so it could claim that run then. A run the caller owns but no longer executes
@@ -18,8 +19,24 @@
 --    order"). The purge now locks the referencing rows itself, child threads in id order, with
 --    SKIP LOCKED: when one is held, the thread row waits for the next pass; the purge never
 --    waits for a thread or run lock.
+--
+-- 3. A run whose slice could not record its end (a transient fault outlasted the store's
+--    retries: a full disk, a database that refuses writes) stayed `running` under its live
+--    worker until its lease expired; the next claim then counted a recovery and a fault, and a
+--    partial outage (claims still written, steps not) cost a fault every lease period until the
+--    run failed `abandoned`, although nothing about it was poison. The worker now names such
+--    runs in its next claim (`released`); the claim takes them back at once with a new fencing
+--    token, without a recovery or a fault. Worker crashes still count: a dead worker releases
+--    nothing.
+--
+-- 4. A hand-back (a transient fault outlasted the slice's lease) counted a fault, so that a run
+--    whose own statements keep failing (a statement timeout on its huge context) ends
+--    `abandoned`. But when the database was unavailable to everyone — connections lost,
+--    shutting down, read-only, disk full, no connection (agentloop_shared::store::fault, "outage")
+--    — the run is not to blame, and a long outage failed every active run. The slice end
+--    `handback` now carries `fault`; false counts nothing. Absent (older workers), it counts.
 
--- p = {owner, limit, leaseMs, inflight, adopt, start}; the answer's `starts` as before (000020).
+-- p as agentloop_claim's; the answer's `starts` as before (000020).
 CREATE OR REPLACE FUNCTION agentloop_claim_starts(p jsonb, p_fresh uuid[]) RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
@@ -60,8 +77,9 @@ BEGIN
     RETURN v_starts;
 END $$;
 
--- As in 000021, with the start loop in agentloop_claim_starts and the timer counting the
--- caller's runs that are not in flight.
+-- As in 000021, with the start loop in agentloop_claim_starts, the timer counting the caller's
+-- runs that are not in flight, and `released` (3. above).
+-- p = {owner, limit, leaseMs, inflight: [run id], adopt, released: [{runId, epoch}], start}.
 CREATE OR REPLACE FUNCTION agentloop_claim(p jsonb) RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
@@ -88,6 +106,24 @@ BEGIN
         v_adopted := '[]'::jsonb;
         v_mine := '{}';
     END IF;
+    -- Runs the caller released (3. above): still running under its owner and the epoch its
+    -- slice had, they are taken again at once, whatever their lease, with a new fencing token
+    -- but no recovery or fault: their worker is alive, it only could not write.
+    WITH x AS (
+        SELECT r.id FROM runs r
+          JOIN jsonb_to_recordset(coalesce(p -> 'released', '[]'::jsonb)) AS rel("runId" uuid, epoch bigint)
+            ON r.id = rel."runId" AND r.lease_epoch = rel.epoch
+         WHERE r.status = 'running' AND r.lease_owner = v_owner AND NOT (r.id = ANY(v_mine || v_inflight))
+         ORDER BY r.seq LIMIT greatest((p ->> 'limit')::int - jsonb_array_length(v_adopted), 0)
+           FOR UPDATE OF r SKIP LOCKED
+    ), u AS (
+        UPDATE runs r SET lease_epoch = r.lease_epoch + 1, attempts = r.attempts + 1,
+                          lease_expires_at = now() + v_lease, updated_at = now()
+          FROM x WHERE r.id = x.id
+        RETURNING r.seq, r.id, agentloop_run_json(r) AS j
+    )
+    SELECT v_adopted || coalesce(jsonb_agg(j ORDER BY seq), '[]'::jsonb), v_mine || coalesce(array_agg(id), '{}')
+      INTO v_adopted, v_mine FROM u;
     v_n := greatest((p ->> 'limit')::int - jsonb_array_length(v_adopted), 0);
     WITH c AS (
         SELECT id, status AS prior FROM runs
@@ -177,3 +213,114 @@ BEGIN
         v_thread := NULL;
     END LOOP;
 END $$;
+
+-- As in 000014, but a hand-back with `fault: false` counts no fault (4. above).
+CREATE OR REPLACE FUNCTION agentloop_end_run(p_run uuid, p_step bigint, p_end jsonb, p_usage jsonb DEFAULT '{}',
+                                  p_last_commit jsonb DEFAULT NULL) RETURNS runs LANGUAGE plpgsql AS $$
+DECLARE
+    r runs;
+    v_end text := p_end ->> 'status';
+    v_status text;
+    v_step_status text;
+    v_code text := p_end ->> 'code';
+    v_message text := p_end ->> 'message';
+    v_steps int := CASE WHEN p_step IS NULL THEN 0 ELSE 1 END;
+    v_faults int := 0;
+    a tool_approvals;
+    v_partial jsonb;
+BEGIN
+    SELECT * INTO r FROM runs WHERE id = p_run;
+    IF v_end IN ('waiting_approval', 'waiting_authorization') AND r.cancel_requested_at IS NOT NULL THEN
+        v_end := 'cancelled';
+    END IF;
+    IF v_end IN ('cancelled', 'interrupted', 'handback', 'failed', 'blocked') THEN
+        UPDATE operations SET status = 'uncertain', updated_at = now() WHERE run_id = p_run AND status = 'dispatched';
+        IF r.cancel_requested_at IS NOT NULL AND EXISTS (SELECT 1 FROM operations WHERE run_id = p_run AND status = 'uncertain') THEN
+            -- The user asked for the end (cancel, interrupt, thread deleted): it ends
+            -- `cancelled`; an uncertain operation stays `uncertain` (resolvable for the record)
+            -- and its call's result says the outcome is unknown (agentloop_close_dangling).
+            v_end := 'cancelled';
+            v_code := NULL;
+            v_message := NULL;
+        ELSIF EXISTS (SELECT 1 FROM operations WHERE run_id = p_run AND status = 'uncertain') THEN
+            v_end := 'blocked';
+            v_code := 'operation_uncertain';
+            v_message := agentloop_blocker_message(p_run);
+        END IF;
+    END IF;
+    CASE v_end
+        WHEN 'completed' THEN v_status := 'completed'; v_step_status := 'completed';
+        WHEN 'requeued' THEN v_status := 'queued'; v_step_status := 'requeued';
+        WHEN 'interrupted' THEN v_status := 'queued'; v_step_status := 'interrupted'; v_steps := 0;
+        WHEN 'handback' THEN v_status := 'queued'; v_step_status := 'interrupted'; v_steps := 0;
+            -- An outage (`fault: false`) says nothing about the run (4. above).
+            v_faults := CASE WHEN (p_end ->> 'fault')::boolean IS FALSE THEN 0 ELSE 1 END;
+        WHEN 'failed' THEN v_status := 'failed'; v_step_status := 'failed';
+        WHEN 'cancelled' THEN v_status := 'cancelled'; v_step_status := 'cancelled';
+        WHEN 'waiting_approval' THEN v_status := 'waiting_approval'; v_step_status := 'waiting_approval';
+        WHEN 'waiting_authorization' THEN v_status := 'waiting_authorization'; v_step_status := 'waiting_authorization';
+        WHEN 'blocked' THEN v_status := 'blocked'; v_step_status := 'blocked';
+            v_code := coalesce(v_code, 'operation_uncertain');
+            v_message := coalesce(v_message, agentloop_blocker_message(p_run));
+        ELSE RAISE EXCEPTION 'unknown slice end %', v_end;
+    END CASE;
+    IF v_status NOT IN ('failed', 'blocked') THEN
+        v_code := NULL;
+        v_message := NULL;
+    END IF;
+    IF p_step IS NOT NULL THEN
+        UPDATE run_steps SET status = v_step_status, finished_at = clock_timestamp(), error_code = v_code, error_message = v_message,
+                             model_calls = model_calls + coalesce((p_usage ->> 'modelCalls')::int, 0),
+                             tool_calls = tool_calls + coalesce((p_usage ->> 'toolCalls')::int, 0),
+                             prompt_tokens = prompt_tokens + coalesce((p_usage ->> 'promptTokens')::bigint, 0),
+                             completion_tokens = completion_tokens + coalesce((p_usage ->> 'completionTokens')::bigint, 0)
+         WHERE id = p_step;
+    END IF;
+    UPDATE runs SET status = v_status,
+                    steps_used = steps_used + v_steps,
+                    faults = CASE WHEN (p_usage ->> 'progress')::boolean THEN 0 ELSE faults END + v_faults,
+                    tool_calls_used = tool_calls_used + coalesce((p_usage ->> 'toolCalls')::int, 0),
+                    prompt_tokens = prompt_tokens + coalesce((p_usage ->> 'promptTokens')::bigint, 0),
+                    completion_tokens = completion_tokens + coalesce((p_usage ->> 'completionTokens')::bigint, 0),
+                    last_commit = CASE WHEN p_last_commit IS NULL THEN last_commit
+                                       ELSE jsonb_set(p_last_commit, '{result,status}', to_jsonb(v_status)) END,
+                    lease_owner = NULL, lease_expires_at = NULL,
+                    error_code = v_code, error_message = v_message,
+                    finished_at = CASE WHEN v_status IN ('completed', 'failed', 'cancelled') THEN clock_timestamp() END,
+                    queued_at = CASE WHEN v_status = 'queued' THEN now() ELSE queued_at END,
+                    updated_at = now()
+     WHERE id = p_run RETURNING * INTO r;
+    IF v_status = 'cancelled' AND coalesce((p_end ->> 'keepStreamed')::boolean, false) THEN
+        -- SPEC §4: a cancelled stream's partial answer is kept, marked stopped, even when the
+        -- worker that streamed it is gone.
+        v_partial := agentloop_partial(r.thread_id, p_run);
+        IF v_partial ->> 'content' <> '' OR v_partial ->> 'reasoning' <> '' THEN
+            PERFORM agentloop_append(r.thread_id, p_run, p_step, jsonb_build_array(jsonb_build_object(
+                'role', 'assistant', 'content', to_jsonb(v_partial ->> 'content'),
+                'reasoning', nullif(v_partial ->> 'reasoning', ''), 'stopped', true,
+                'tokenEstimate', 1 + length(v_partial ->> 'content') / 4,
+                'byteSize', octet_length(v_partial ->> 'content') + octet_length(v_partial ->> 'reasoning') + 2)));
+        END IF;
+    END IF;
+    UPDATE threads SET streaming_message = NULL WHERE id = r.thread_id AND streaming_message IS NOT NULL;
+    IF v_status IN ('completed', 'failed', 'cancelled') THEN
+        PERFORM agentloop_close_dangling(r.thread_id, p_run);
+        IF v_status <> 'completed' THEN
+            FOR a IN UPDATE tool_approvals SET status = 'cancelled', decided_at = now()
+                      WHERE run_id = p_run AND status = 'pending' RETURNING * LOOP
+                PERFORM agentloop_journal(r.thread_id, 'approval', agentloop_approval_json(a));
+            END LOOP;
+        END IF;
+        PERFORM agentloop_mcp_cancel_authorizations(p_run);
+    END IF;
+    PERFORM agentloop_journal(r.thread_id, 'run', agentloop_run_json(r));
+    IF v_status IN ('completed', 'failed', 'cancelled') THEN
+        PERFORM agentloop_promote(r.thread_id);
+    ELSIF v_status = 'queued' THEN
+        PERFORM agentloop_wake('queued:' || p_run);
+    ELSIF v_status = 'waiting_approval' THEN
+        PERFORM agentloop_wake('approval:' || p_run);
+    END IF;
+    RETURN r;
+END $$;
+

@@ -202,3 +202,197 @@ async fn soak_with_a_worker_sigkilled_every_two_seconds() {
     assert_eq!((bad_runs, dup_keys, stale), (0, 0, 0), "{summary}");
     assert!(kills > 0, "the soak killed no worker: {summary}");
 }
+
+/// A small filesystem of its own (tmpfs) for a tablespace; unmounted on drop.
+struct SmallDisk {
+    dir: std::path::PathBuf,
+}
+
+impl SmallDisk {
+    /// Mounts a `megabytes` tmpfs owned by `postgres`; `None` when this machine does not let the
+    /// test mount one (not root, or no mount permission in a container).
+    fn mount(megabytes: u32) -> Option<Self> {
+        if !nix::unistd::geteuid().is_root() {
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!("agentloop-disk-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).ok()?;
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={megabytes}m,mode=0700"), "tmpfs"])
+            .arg(&dir)
+            .status()
+            .ok()?;
+        if !status.success() {
+            let _ = std::fs::remove_dir(&dir);
+            return None;
+        }
+        let owned = std::process::Command::new("chown").args(["postgres:postgres"]).arg(&dir).status().ok()?.success();
+        let disk = Self { dir };
+        owned.then_some(disk)
+    }
+
+    /// Fills what is free with a file; returns its size in bytes.
+    fn fill(&self) -> u64 {
+        use std::io::Write;
+        let mut file = std::fs::File::create(self.dir.join("filler")).unwrap();
+        let block = vec![0u8; 64 * 1024];
+        let mut written = 0u64;
+        // Large blocks, then small ones, until the filesystem refuses.
+        for size in [block.len(), 4096, 512] {
+            while file.write_all(&block[..size]).is_ok() {
+                written += size as u64;
+            }
+        }
+        let _ = file.sync_all();
+        written
+    }
+
+    fn free(&self) {
+        std::fs::remove_file(self.dir.join("filler")).unwrap();
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.dir).status();
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// SQLSTATE 53100 (`disk_full`): the filesystem of the database's tables fills up for longer
+/// than the lease while runs stream, checkpoint tool steps and wait in the queue. Injected for
+/// real: every table and index of the test database lives in a tablespace on a 64 MB tmpfs (the
+/// WAL stays on the cluster's own disk, so PostgreSQL itself keeps running), and a file fills
+/// that tmpfs until it refuses a byte. While full, a write that needs a new page fails; a new
+/// turn is either accepted or refused with a clean 503 `database_unavailable` (never a 500) and
+/// stored nowhere. Once space is freed, every accepted turn completes with its answer exactly
+/// once, none failed. Skipped (with a message) where the test cannot mount a tmpfs.
+#[tokio::test]
+async fn a_full_disk_pauses_runs_and_fails_none() {
+    let Some(disk) = SmallDisk::mount(64) else {
+        eprintln!("SKIPPED: this machine does not let the test mount a tmpfs (needs root)");
+        return;
+    };
+    let cluster = PgCluster::start().unwrap();
+    let options = StackOptions {
+        workers: 1,
+        server: Some(cluster.admin_url()),
+        worker_env: vec![
+            ("WORKER_LEASE_MS".into(), "3000".into()),
+            ("WORKER_RENEW_MS".into(), "1000".into()),
+            ("WORKER_CONCURRENCY".into(), "3".into()),
+            // Two faults fail a run: the outage lasts several leases, and a run whose slice only
+            // could not write is not at fault (its worker takes it back without counting one).
+            ("WORKER_MAX_RECOVERIES".into(), "1".into()),
+        ],
+        ..Default::default()
+    };
+    let stack = Stack::start("disk_full", options).await.unwrap();
+    let c = stack.client();
+    let db = stack.db.client().await.unwrap();
+    // Everything of the test database onto the small disk, before any load.
+    db.batch_execute(&format!("CREATE TABLESPACE small LOCATION '{}'", disk.dir.display())).await.unwrap();
+    db.batch_execute("ALTER TABLE ALL IN TABLESPACE pg_default SET TABLESPACE small; ALTER INDEX ALL IN TABLESPACE pg_default SET TABLESPACE small")
+        .await
+        .unwrap();
+    let moved: i64 = db
+        .query_one(
+            "SELECT count(*) FROM pg_class c JOIN pg_tablespace t ON t.oid = c.reltablespace
+              WHERE t.spcname = 'small' AND c.relname IN ('runs', 'messages', 'thread_events', 'run_steps', 'threads')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(moved, 5);
+
+    // (run, the answer it must end with)
+    let mut turns: Vec<(String, String)> = Vec::new();
+    let streamed = (0..120).map(|i| format!("word{i}")).collect::<Vec<_>>().join(" ");
+    let thread = c.create_thread().await.unwrap();
+    turns.push((c.chat(&thread, &script(json!([{"text": streamed, "chunkDelayMs": 80}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned(), streamed.clone()));
+    let mut steps: Vec<serde_json::Value> =
+        (0..10).map(|i| json!({"toolCalls": [{"name": "calculator", "arguments": {"expression": format!("{i}+1")}}], "delayMs": 400})).collect();
+    steps.push(json!({"text": "chain: {{tool_results}}"}));
+    let thread = c.create_thread().await.unwrap();
+    let chain = format!("chain: {}", (1..=10).map(|n| n.to_string()).collect::<Vec<_>>().join(", "));
+    turns.push((c.chat(&thread, &script(serde_json::Value::Array(steps))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned(), chain));
+    for i in 0..4 {
+        let thread = c.create_thread().await.unwrap();
+        let text = format!("queued answer {i} {}", "x".repeat(2000));
+        turns.push((c.chat(&thread, &script(json!([{"text": text, "delayMs": 300}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned(), text));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // Full, for longer than the lease.
+    let filled = disk.fill();
+    let probe = db.batch_execute("CREATE TABLE disk_probe (x text) TABLESPACE small; INSERT INTO disk_probe SELECT repeat('x', 1000) FROM generate_series(1, 10000)").await;
+    let err = probe.expect_err("the small disk still took 10 MB");
+    assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::DISK_FULL), "{err}");
+    eprintln!("disk full ({filled} bytes of filler)");
+    let refused_thread = c.create_thread().await;
+    let mut refused: Option<(String, String)> = None;
+    let held = Instant::now();
+    let mut posts = 0;
+    while held.elapsed() < Duration::from_secs(10) {
+        if let Ok(thread) = &refused_thread {
+            let text = format!("posted while full {posts} {}", "y".repeat(4000));
+            let key = format!("full-{posts}");
+            let r = c
+                .send(reqwest::Method::POST, &format!("/api/threads/{thread}/chat"), Some(json!({"content": script(json!([{"text": text}])), "multitask": "enqueue"})), &[("Idempotency-Key", &key)])
+                .await
+                .unwrap();
+            match r.status {
+                202 => turns.push((r.body["run"]["id"].as_str().unwrap().to_owned(), text)),
+                503 => {
+                    assert_eq!(r.body["error"]["code"], "database_unavailable", "{r:?}");
+                    assert!(!r.body.to_string().contains("No space"), "the SQL error reached the client: {r:?}");
+                    refused.get_or_insert((key, text));
+                }
+                _ => panic!("a turn posted while the disk is full: {r:?}"),
+            }
+            posts += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    disk.free();
+    eprintln!("space freed after {:?}", held.elapsed());
+
+    // A refused turn, retried with its key, is accepted now.
+    if let (Some((key, text)), Ok(thread)) = (refused, &refused_thread) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let r = c
+                .send(reqwest::Method::POST, &format!("/api/threads/{thread}/chat"), Some(json!({"content": script(json!([{"text": text}])), "multitask": "enqueue"})), &[("Idempotency-Key", &key)])
+                .await
+                .unwrap();
+            if r.status == 202 {
+                turns.push((r.body["run"]["id"].as_str().unwrap().to_owned(), text));
+                break;
+            }
+            assert!(r.status == 503 && Instant::now() < deadline, "{r:?}");
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+    for (run, answer) in &turns {
+        let done = c.wait_terminal(run, Duration::from_secs(90)).await.unwrap();
+        assert_eq!(done["status"], "completed", "{done}");
+        let finals: Vec<String> = db
+            .query(
+                "SELECT content #>> '{}' FROM messages WHERE run_id = $1::text::uuid AND role = 'assistant' AND tool_calls IS NULL",
+                &[run],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(finals, vec![answer.clone()], "run {run}: one final answer");
+    }
+    let failed: i64 = db.query_one("SELECT count(*) FROM runs WHERE status = 'failed'", &[]).await.unwrap().get(0);
+    assert_eq!(failed, 0);
+    let recoveries: Vec<i32> = db.query("SELECT recoveries FROM runs ORDER BY seq", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    eprintln!("{} turns answered; {posts} posted while full; recoveries per run {recoveries:?}", turns.len());
+    drop(stack);
+    drop(cluster);
+}

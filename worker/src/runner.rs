@@ -198,6 +198,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     let mut pass_wanted = true;
     // After a failed claim pass its answer may have been lost: the next pass re-adopts.
     let mut adopt_next = false;
+    // Runs whose slice could not record its end (a transient fault outlasted the retries): the
+    // next claim pass takes them back without counting a fault. At most one per slice that
+    // ended; kept until a claim pass succeeds.
+    let mut released: Vec<scheduler::Released> = Vec::new();
     // When the last successful claim pass ended and how long it took.
     let mut last_pass: Option<(Instant, Duration)> = None;
     let mut next_timer = config.safety_poll;
@@ -252,9 +256,11 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
             // cancelled statement, which no subtransaction catches) must not fail every pass.
             let spare = !adopt_next && last_pass.is_none_or(|(ended, took): (Instant, Duration)| ended.elapsed() >= took);
             let start = (config.claim_starts > 0 && spare).then(|| claim_start_options(&env, config.claim_starts as usize, config.max_recoveries));
-            match scheduler::claim(&store, &worker_id, free, config.lease, &inflight, adopt_next, start.as_ref()).await {
+            match scheduler::claim(&store, &worker_id, free, config.lease, &inflight, &released, adopt_next, start.as_ref()).await {
                 Ok(claimed) => {
                     adopt_next = false;
+                    // Taken back, or no longer this worker's to take (claimed meanwhile, ended).
+                    released.clear();
                     last_pass = Some((Instant::now(), started.elapsed()));
                     metrics::histogram!("agentloop_claim_duration_seconds").record(started.elapsed().as_secs_f64());
                     pass_wanted = claimed.runs.len() == free;
@@ -275,8 +281,9 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                         let (env, in_flight) = (env.clone(), in_flight.clone());
                         slices.spawn(async move {
                             let id = run.id;
-                            slice::execute(env, run, control, claim_start).await;
+                            let released = slice::execute(env, run, control, claim_start).await;
                             in_flight.lock().expect("in-flight lock").remove(&id);
+                            released
                         });
                     }
                 }
@@ -321,8 +328,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                 None => anyhow::bail!("listener task ended"),
             },
             Some(joined) = slices.join_next(), if !slices.is_empty() => {
-                if let Err(error) = joined {
-                    tracing::error!(%error, "a slice task died");
+                match joined {
+                    Ok(Some(run)) => released.push(run),
+                    Ok(None) => {}
+                    Err(error) => tracing::error!(%error, "a slice task died"),
                 }
                 pass_wanted = true;
             }

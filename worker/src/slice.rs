@@ -5,8 +5,10 @@
 //!
 //! Faults, classified once (`agentloop_shared::store::fault`): transient database faults are
 //! retried inside each step call while the lease lasts, then the run is handed back
-//! ([`SliceEnd::Handback`], no step consumed, `faults + 1`); deterministic ones and panics fail
-//! the run with `internal_error`; a lost lease stops the slice without writing.
+//! ([`SliceEnd::Handback`], no step consumed; `faults + 1` unless the database was unavailable
+//! to everyone — an outage is not the run's fault); a hand-back that cannot be written either
+//! leaves the run to the worker's next claim ([`Released`]); deterministic faults and panics
+//! fail the run with `internal_error`; a lost lease stops the slice without writing.
 //!
 //! Aborts ([`SliceControl`]: cancellation, shutdown, lease loss) are honoured at safe points:
 //! before and during a model call (the request is dropped) and during a tool call — never in
@@ -24,7 +26,7 @@ use agentloop_shared::provider::client::{ChatRequest, ProviderClient, StreamDelt
 use agentloop_shared::provider::projection;
 use agentloop_shared::runs::Run;
 use agentloop_shared::scheduler::step::{self, ContextSize, Started};
-use agentloop_shared::scheduler::{Commit, Committed, Lease, SliceEnd, Usage};
+use agentloop_shared::scheduler::{Commit, Committed, Lease, Released, SliceEnd, Usage};
 use agentloop_shared::store::{Store, StoreError};
 use agentloop_shared::tools::ToolRegistry;
 use agentloop_shared::compaction;
@@ -88,9 +90,14 @@ pub enum SliceError {
     /// The run fails with a stable code.
     #[error("{code}: {message}")]
     Failed { code: String, message: String },
-    /// The database stayed unavailable while the lease lasted: hand the run back.
+    /// Transient database faults lasted as long as the lease (the last one possibly this
+    /// slice's own doing: a statement timeout, a deadlock): hand the run back, `faults + 1`.
     #[error("transient database fault: {0}")]
     Transient(String),
+    /// The database was unavailable to every caller as long as the lease lasted
+    /// ([`StoreError::Outage`]): hand the run back without counting a fault.
+    #[error("database outage: {0}")]
+    Outage(String),
     /// A deterministic database or programming error: fail the run (`internal_error`).
     #[error("internal: {0}")]
     Internal(String),
@@ -100,6 +107,7 @@ impl From<StoreError> for SliceError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::Unavailable(m) | StoreError::OutcomeUnknown(m) => SliceError::Transient(m),
+            StoreError::Outage(m) => SliceError::Outage(m),
             StoreError::Deterministic { sqlstate, message } => SliceError::Internal(format!("{sqlstate}: {message}")),
             StoreError::Refused { code, message, .. } => SliceError::Internal(format!("{code}: {message}")),
         }
@@ -182,7 +190,11 @@ impl Slice {
 ///
 /// `claim_start`: the slice start the claim already wrote for this run
 /// ([`agentloop_shared::scheduler::Claimed::starts`]); `None` to start it here.
-pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_start: Option<serde_json::Value>) {
+///
+/// Returns the run as [`Released`] when the slice could not record its end because of a
+/// transient fault (the run stays `running` under this worker's lease): the worker names it in
+/// its next claim, which takes it back without counting a fault (migration 000023).
+pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_start: Option<serde_json::Value>) -> Option<Released> {
     let lease = Lease::of(&run, env.lease);
     let span = tracing::info_span!("slice", run.id = %run.id, thread.id = %run.thread_id, run.attempt = run.attempts, lease.epoch = run.lease_epoch);
     // The run's trace context (the api request that created it): this slice joins its trace.
@@ -199,6 +211,7 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_
             }
         };
         let ended_cleanly = outcome.is_ok();
+        let mut released = None;
         let end = match outcome {
             Ok(end) => {
                 tracing::info!(end = end.label(), "slice ended");
@@ -217,7 +230,11 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_
             }
             Err(SliceError::Transient(error)) => {
                 tracing::warn!(%error, "database unavailable while the lease lasted; handing the run back");
-                Some(SliceEnd::Handback)
+                Some(SliceEnd::Handback { fault: true })
+            }
+            Err(SliceError::Outage(error)) => {
+                tracing::warn!(%error, "database outage while the lease lasted; handing the run back (not its fault)");
+                Some(SliceEnd::Handback { fault: false })
             }
             Err(SliceError::Internal(error)) => {
                 tracing::error!(%error, "internal error in slice; failing the run");
@@ -243,6 +260,11 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_
                     tracing::warn!(end = label, "lease lost before the slice end was written");
                     metrics::counter!("agentloop_slices_total", "end" => "lease_lost").increment(1);
                 }
+                Err(SliceError::Transient(error) | SliceError::Outage(error)) => {
+                    tracing::warn!(%error, end = label, "could not record the slice end; the next claim takes the run back");
+                    metrics::counter!("agentloop_slices_total", "end" => "unrecorded").increment(1);
+                    released = Some(Released { run_id: run.id, epoch: run.lease_epoch });
+                }
                 Err(error) => {
                     tracing::warn!(%error, end = label, "could not record the slice end; the lease will expire and the run be recovered");
                     metrics::counter!("agentloop_slices_total", "end" => "unrecorded").increment(1);
@@ -253,6 +275,7 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_
         }
         metrics::histogram!("agentloop_slice_duration_seconds").record(started.elapsed().as_secs_f64());
         tracing::debug!(duration_ms = started.elapsed().as_millis() as u64, "slice done");
+        released
     }
     .instrument(span)
     .await

@@ -352,7 +352,7 @@ async fn execute(
     results.push(message);
     match slice.commit(Commit { messages: results.take(), operations: vec![finish], ..Commit::default() }).await {
         Ok(done) => results.committed(&done.messages),
-        Err(error @ (SliceError::LeaseLost | SliceError::Transient(_))) => {
+        Err(error @ (SliceError::LeaseLost | SliceError::Transient(_) | SliceError::Outage(_))) => {
             // The outcome is known: record it on the operation row even without the lease, so
             // the next attempt uses it instead of blocking the run on an "unknown" outcome.
             let deadline = Instant::now() + slice.env.lease * 4;

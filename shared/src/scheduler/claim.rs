@@ -18,8 +18,9 @@ use crate::store::{Replay, Store, StoreError};
 pub struct Claimed {
     /// Runs now held by this worker (re-adopted ones first), each with its new fencing token.
     pub runs: Vec<Run>,
-    /// Earliest lease expiry of a run another worker holds, in ms from now (negative when
-    /// already expired): the recovery timer.
+    /// Earliest lease expiry of a run the caller could claim later (another worker's, or its
+    /// own that it no longer executes), in ms from now (negative when already expired): the
+    /// recovery timer.
     pub next_expiry_ms: Option<i64>,
     /// A queued run was skipped because another transaction held its row lock: look again soon.
     pub queued_left: bool,
@@ -49,6 +50,19 @@ pub struct StartOptions {
     pub models: HashMap<String, ModelStart>,
 }
 
+/// A run the caller's slice left `running` under its lease because it could not record the
+/// slice's end (a transient fault outlasted the store's retries). Named in the next claim
+/// (`p.released`), it is taken back at once with a new fencing token and without counting a
+/// recovery or a fault (migration 000023): a partial database outage must not fail runs
+/// `abandoned`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Released {
+    pub run_id: Uuid,
+    /// The fencing token the slice held; a run claimed by anyone since is not taken.
+    pub epoch: i64,
+}
+
 /// The per-model part of a slice start.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -69,17 +83,20 @@ pub struct ModelStart {
 /// ([`StoreError::OutcomeUnknown`]) is sent again by the caller with `adopt`, so no claimed run
 /// waits for its lease to expire (adopted runs are never started by
 /// the claim: their slices start them). With `start`, the claim also starts slices (see
-/// [`StartOptions`] and [`Claimed::starts`]).
+/// [`StartOptions`] and [`Claimed::starts`]). `released` runs (see [`Released`]) that are still
+/// `running` under `owner` with their epoch are taken back first, after adopted ones.
 pub async fn claim(
     store: &Store,
     owner: &str,
     limit: usize,
     lease: Duration,
     inflight: &[Uuid],
+    released: &[Released],
     adopt: bool,
     start: Option<&StartOptions>,
 ) -> Result<Claimed, StoreError> {
-    let arg = json!({"owner": owner, "limit": limit, "leaseMs": lease.as_millis() as u64, "inflight": inflight, "adopt": adopt, "start": start});
+    let arg = json!({"owner": owner, "limit": limit, "leaseMs": lease.as_millis() as u64, "inflight": inflight,
+                     "released": released, "adopt": adopt, "start": start});
     // Not replayed by the store: the same argument sent again would not re-adopt what a lost
     // attempt claimed (those runs would wait for their lease to expire and count a fault). The
     // caller sends its next pass with `adopt` instead.

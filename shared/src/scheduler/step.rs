@@ -139,9 +139,11 @@ pub enum SliceEnd {
     Requeued,
     /// Shutdown with the lease still held: back to `queued`, the step not consumed.
     Interrupted,
-    /// A transient fault the slice could not outlast: back to `queued`, the step not consumed,
-    /// `faults + 1` (a run that keeps faulting without progress ends `abandoned`).
-    Handback,
+    /// A transient fault the slice could not outlast: back to `queued`, the step not consumed;
+    /// with `fault`, `faults + 1` (a run that keeps faulting without progress ends
+    /// `abandoned`). Without: the database was unavailable to everyone (an outage, migration
+    /// 000023), which says nothing about the run.
+    Handback { fault: bool },
     /// The run failed with a stable code.
     Failed { code: String, message: String },
     /// Cancellation was requested and honoured. With `keep_streamed` (the slice has no partial
@@ -165,7 +167,7 @@ impl SliceEnd {
             Self::Completed => "completed",
             Self::Requeued => "requeued",
             Self::Interrupted => "interrupted",
-            Self::Handback => "handback",
+            Self::Handback { .. } => "handback",
             Self::Failed { .. } => "failed",
             Self::Cancelled { .. } => "cancelled",
             Self::WaitingApproval => "waiting_approval",

@@ -8,7 +8,8 @@
 //! | class | examples (SQLSTATE) | caller does |
 //! |---|---|---|
 //! | [`Fault::Refused`] | `AL4xx` raised by a step function | answer the client with that status and code |
-//! | [`Fault::Retry`] | deadlock `40P01`, serialization `40001`, lock timeout `55P03`, statement timeout / cancel `57014`, admin or crash shutdown `57P01`/`57P02`/`57P03`, too many connections `53300`, out of resources `53xxx`, connection exceptions `08xxx`, read-only during failover `25006`; pool wait timeouts and failed connects | retry the same call (it certainly did not commit) |
+//! | [`Fault::Retry`] | deadlock `40P01`, serialization `40001`, lock timeout `55P03`, statement timeout / cancel `57014`, out of memory and other resources `53xxx` but the two below | retry the same call (it certainly did not commit) |
+//! | [`Fault::Outage`] | the database is unavailable to every caller, whatever it sends: admin or crash shutdown `57P01`/`57P02`/`57P03`, connection exceptions `08xxx`, read-only during failover `25006`, disk full `53100`, too many connections `53300`; pool wait timeouts and failed connects | as `Retry`; and a run handed back for it is not at fault (counts no fault towards `abandoned`) |
 //! | [`Fault::Unknown`] | socket closed or reset, call timed out | retry only if the call is replay-safe (worker steps carry a commit id; commands with an idempotency key), else report that the outcome is unknown |
 //! | [`Fault::Deterministic`] | constraint `23xxx`, data `22xxx`, programming `42xxx`, `P0001`, internal | do not retry: the same call fails the same way |
 
@@ -19,8 +20,13 @@ use deadpool::managed::PoolError;
 pub enum Fault {
     /// A business refusal raised by a step function: HTTP `status`, stable `code`, `message`.
     Refused { status: u16, code: String, message: String },
-    /// The statement did not commit; retrying is safe.
+    /// The statement did not commit; retrying is safe. It may have failed because of what it
+    /// was asked to do (a statement timeout on a huge context, a deadlock with its own data):
+    /// a run that keeps handing back for it counts faults and ends `abandoned`.
     Retry(String),
+    /// The statement did not commit because the database is unavailable to everyone (see the
+    /// module docs); retrying is safe, and nothing about the call is to blame.
+    Outage(String),
     /// The statement may or may not have committed.
     Unknown(String),
     /// Retrying would fail the same way.
@@ -33,6 +39,12 @@ fn transient(code: &str) -> bool {
     matches!(code, "40001" | "40P01" | "55P03" | "57014" | "57P01" | "57P02" | "57P03" | "25006" | "25P03")
         || code.starts_with("08")
         || code.starts_with("53")
+}
+
+/// Transient SQLSTATEs that say the database is unavailable to every caller, not that this
+/// statement failed: a run handed back for one of them is not at fault.
+fn outage(code: &str) -> bool {
+    matches!(code, "57P01" | "57P02" | "57P03" | "25006" | "53100" | "53300") || code.starts_with("08")
 }
 
 /// Classifies an error of a call that was (possibly) sent.
@@ -48,6 +60,9 @@ pub fn classify(error: &tokio_postgres::Error) -> Fault {
             message: db.detail().unwrap_or_else(|| db.message()).to_owned(),
         };
     }
+    if outage(code) {
+        return Fault::Outage(format!("{code}: {}", db.message()));
+    }
     if transient(code) {
         return Fault::Retry(format!("{code}: {}", db.message()));
     }
@@ -57,18 +72,15 @@ pub fn classify(error: &tokio_postgres::Error) -> Fault {
 /// Classifies a failure to obtain a connection (nothing was sent).
 pub fn classify_pool(error: &PoolError<tokio_postgres::Error>) -> Fault {
     match error {
-        PoolError::Timeout(kind) => Fault::Retry(format!("no database connection within the pool's wait ({kind:?})")),
+        PoolError::Timeout(kind) => Fault::Outage(format!("no database connection within the pool's wait ({kind:?})")),
         PoolError::Backend(e) => match classify(e) {
-            Fault::Unknown(message) => Fault::Retry(format!("connecting: {message}")),
-            other => match other {
-                Fault::Deterministic { sqlstate, message } if sqlstate.starts_with("28") => {
-                    Fault::Deterministic { sqlstate, message }
-                }
-                Fault::Deterministic { message, .. } => Fault::Retry(format!("connecting: {message}")),
-                other => other,
-            },
+            Fault::Deterministic { sqlstate, message } if sqlstate.starts_with("28") => Fault::Deterministic { sqlstate, message },
+            Fault::Unknown(message) | Fault::Retry(message) | Fault::Outage(message) | Fault::Deterministic { message, .. } => {
+                Fault::Outage(format!("connecting: {message}"))
+            }
+            refused @ Fault::Refused { .. } => refused,
         },
-        PoolError::PostCreateHook(e) => Fault::Retry(e.to_string()),
+        PoolError::PostCreateHook(e) => Fault::Outage(e.to_string()),
         PoolError::Closed | PoolError::NoRuntimeSpecified => {
             Fault::Deterministic { sqlstate: "XX000".into(), message: error.to_string() }
         }
@@ -78,6 +90,16 @@ pub fn classify_pool(error: &PoolError<tokio_postgres::Error>) -> Fault {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outages_are_the_documented_ones() {
+        for code in ["57P01", "57P02", "57P03", "08006", "08001", "25006", "53100", "53300"] {
+            assert!(outage(code) && transient(code), "{code}");
+        }
+        for code in ["40001", "40P01", "55P03", "57014", "53200", "23505", "XX000"] {
+            assert!(!outage(code), "{code}");
+        }
+    }
 
     #[test]
     fn transient_codes_are_the_documented_ones() {

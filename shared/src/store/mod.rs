@@ -43,9 +43,15 @@ pub enum StoreError {
     /// A step function refused the command (HTTP `status`, stable `code`).
     #[error("{code}: {message}")]
     Refused { status: u16, code: String, message: String },
-    /// The database stayed unavailable (transient faults) until the deadline.
+    /// The call kept failing with transient faults until the deadline; the last one was a
+    /// [`Fault::Retry`]: possibly this call's own doing (a statement timeout, a deadlock).
     #[error("database unavailable: {0}")]
     Unavailable(String),
+    /// The database was unavailable to every caller until the deadline (the last fault was a
+    /// [`Fault::Outage`]: connections lost or refused, shutdown, read-only, disk full, no
+    /// connection): nothing about the call is to blame.
+    #[error("database unavailable: {0}")]
+    Outage(String),
     /// The connection broke while a replay-unsafe command may have been committed.
     #[error("the outcome is unknown: {0}")]
     OutcomeUnknown(String),
@@ -166,17 +172,19 @@ impl Store {
                     return Err(StoreError::OutcomeUnknown(message.clone()));
                 }
                 Fault::Retry(_) => "retry",
+                Fault::Outage(_) => "outage",
                 Fault::Unknown(_) => "unknown",
             };
             metrics::counter!("agentloop_store_faults_total", "function" => function, "fault" => label).increment(1);
             let delay = delays.next().unwrap_or(Duration::from_secs(1));
-            let message = match fault {
-                Fault::Retry(m) | Fault::Unknown(m) => m,
+            let (message, outage) = match fault {
+                Fault::Retry(m) | Fault::Unknown(m) => (m, false),
+                Fault::Outage(m) => (m, true),
                 _ => unreachable!("handled above"),
             };
             if Instant::now() + delay >= deadline {
                 tracing::warn!(db.function = function, error = %message, "database unavailable until the deadline");
-                return Err(StoreError::Unavailable(message));
+                return Err(if outage { StoreError::Outage(message) } else { StoreError::Unavailable(message) });
             }
             tracing::warn!(db.function = function, fault = label, error = %message, delay_ms = delay.as_millis() as u64, "transient database fault; retrying");
             tokio::time::sleep(delay).await;
@@ -236,6 +244,7 @@ impl Store {
     pub async fn conn(&self) -> Result<deadpool::managed::Object<pool::StoreManager>, StoreError> {
         self.pool.get().await.map_err(|e| match fault::classify_pool(&e) {
             Fault::Deterministic { sqlstate, message } => StoreError::Deterministic { sqlstate, message },
+            Fault::Outage(message) => StoreError::Outage(message),
             other => StoreError::Unavailable(format!("{other:?}")),
         })
     }
