@@ -116,7 +116,13 @@ async fn tools_approve_with_edited_arguments_is_validated_and_recorded() {
     wait_status(&c, &run_id, "waiting_approval").await;
     let approval = pending(&c, &thread).await.remove(0);
     let url = format!("/api/approvals/{}/approve", id(&approval));
-    for bad in [json!({"arguments": {"expression": 5}}), json!({"arguments": {}}), json!({"arguments": "{not json"})] {
+    // Held to the whole stored schema: the calculator's says `additionalProperties: false`.
+    for bad in [
+        json!({"arguments": {"expression": 5}}),
+        json!({"arguments": {}}),
+        json!({"arguments": "{not json"}),
+        json!({"arguments": {"expression": "1+1", "extra": "x"}}),
+    ] {
         let r = c.post(&url, bad.clone()).await.unwrap();
         assert_eq!(r.status, 400, "{bad}: {r:?}");
         assert_eq!(r.body["error"]["code"], "invalid_arguments");

@@ -293,8 +293,9 @@ impl ToolRegistry {
         let Some(tool) = tool else {
             return Err(ToolOutcome::error(format!("unknown tool: {name}")));
         };
-        match parse_arguments(raw_arguments).and_then(|mut args| conform_arguments(&tool.parameters(), &mut args).map(|()| args)) {
-            Ok(args) => Ok((tool, Value::Object(args))),
+        let schema = tool.parameters();
+        match parse_arguments(raw_arguments).and_then(|args| conform(&schema, args)) {
+            Ok(args) => Ok((tool, args)),
             Err(problem) => {
                 Err(ToolOutcome::error(truncate_middle(format!("invalid arguments for {name}: {problem}"), self.max_result_bytes)))
             }
@@ -351,16 +352,34 @@ impl ToolRegistry {
 }
 
 /// Validates an argument object against a tool's JSON `schema` the way the registry does
-/// (the schema's `required` list and `properties.*.type`; whole floats in `integer` fields
-/// become integers). Returns the conformed object, or the problem as text. Used by the api for
+/// ([`conform`]). Returns the conformed object, or the problem as text. Used by the api for
 /// arguments a user edited before approving (with the schema stored on the approval).
 pub fn validate_arguments(schema: &Value, arguments: &Value) -> Result<Value, String> {
     let Value::Object(args) = arguments else {
         return Err("expected a JSON object".to_owned());
     };
-    let mut args = args.clone();
+    conform(schema, args.clone())
+}
+
+/// Conforms `args` to a tool's JSON `schema` and validates them against all of it: first the
+/// `required` list and `properties.*.type` with plain messages (whole floats in `integer`
+/// fields become integers), then the whole schema with the `jsonschema` crate —
+/// `additionalProperties`, `enum`, `const`, bounds, lengths, patterns, nested objects and
+/// arrays (the draft its `$schema` names; 2020-12 by default). Remote `$ref`s are never fetched
+/// (the crate is built without resolvers: schemas come from MCP servers); a schema that does
+/// not compile, such as one with a remote `$ref`, is held to the first checks only. Errors: the
+/// first problem, as text of at most ~500 bytes.
+fn conform(schema: &Value, mut args: Map<String, Value>) -> Result<Value, String> {
     conform_arguments(schema, &mut args)?;
-    Ok(Value::Object(args))
+    let args = Value::Object(args);
+    if let Ok(validator) = jsonschema::validator_for(schema)
+        && let Err(error) = validator.validate(&args)
+    {
+        let at = error.instance_path().to_string();
+        let what = if at.is_empty() { error.to_string() } else { format!("{at}: {error}") };
+        return Err(truncate_middle(what, 500));
+    }
+    Ok(args)
 }
 
 /// Parses the model's argument text into an object (empty or blank text is `{}`).
@@ -444,6 +463,42 @@ fn truncate_middle(text: String, max_bytes: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Edited or model-written arguments are held to the whole schema, not only `required` and
+    /// `type` (an acceptance test sent an extra field past `additionalProperties: false`).
+    #[test]
+    fn arguments_are_validated_against_the_whole_schema() {
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "to": {"type": "string", "pattern": "^[a-z]+@example\\.com$"},
+                "amount": {"type": "integer", "minimum": 1, "maximum": 100},
+                "currency": {"enum": ["EUR", "USD"]},
+                "memo": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 5}}, "additionalProperties": false}
+            },
+            "required": ["to", "amount"],
+            "additionalProperties": false
+        });
+        let ok = serde_json::json!({"to": "ann@example.com", "amount": 5.0, "currency": "EUR", "memo": {"text": "hi"}});
+        assert_eq!(validate_arguments(&schema, &ok).unwrap()["amount"], 5, "whole floats still become integers");
+        for (bad, what) in [
+            (serde_json::json!({"to": "ann@example.com", "amount": 5, "extra": "x"}), "extra"),
+            (serde_json::json!({"to": "ann@example.com", "amount": 500}), "500"),
+            (serde_json::json!({"to": "ann@example.com", "amount": 0}), "0"),
+            (serde_json::json!({"to": "ann@example.com", "amount": 5, "currency": "GBP"}), "GBP"),
+            (serde_json::json!({"to": "mallory@evil.test", "amount": 5}), "mallory"),
+            (serde_json::json!({"to": "ann@example.com", "amount": 5, "memo": {"text": "too long"}}), "too long"),
+            (serde_json::json!({"to": "ann@example.com", "amount": 5, "memo": {"text": "a", "x": 1}}), "x"),
+            (serde_json::json!({"amount": 5}), "to"),
+        ] {
+            let problem = validate_arguments(&schema, &bad).expect_err(&bad.to_string());
+            assert!(problem.contains(what), "{bad}: {problem}");
+        }
+        // A schema that cannot compile (a remote $ref is never fetched) keeps the plain checks.
+        let remote = serde_json::json!({"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}, "required": ["a"]});
+        assert!(validate_arguments(&remote, &serde_json::json!({"a": 1})).is_ok());
+        assert!(validate_arguments(&remote, &serde_json::json!({})).is_err());
+    }
 
     /// Returns `text` repeated `times` times, or fails with `text` when `fail` is true.
     struct Echo;
