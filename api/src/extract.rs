@@ -181,6 +181,47 @@ impl FromRequest for Authenticated {
     }
 }
 
+/// A JSON object request body as `T` — [`web::Json`] (its `JsonConfig`: size limit,
+/// content type, error envelope), but only an object: serde builds a struct from a JSON array
+/// too (positional fields), which no client means, so an array, string, number or null body is
+/// 400 `invalid_json`. Field errors as [`crate::error::json_error`] maps them (`missing_field`,
+/// `invalid_field`).
+pub struct Json<T>(pub T);
+
+impl<T> Json<T> {
+    /// The body.
+    pub fn into_inner(self) -> T {
+        self.0
+    }
+}
+
+impl<T> std::ops::Deref for Json<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T: serde::de::DeserializeOwned + 'static> FromRequest for Json<T> {
+    type Error = actix_web::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self, actix_web::Error>>>>;
+
+    fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        let body = web::Json::<serde_json::Value>::from_request(req, payload);
+        let req = req.clone();
+        Box::pin(async move {
+            let value = body.await?.into_inner();
+            if !value.is_object() {
+                return Err(ApiError::bad_request("invalid_json", "the request body must be a JSON object").into());
+            }
+            serde_json::from_value(value)
+                .map(Json)
+                .map_err(|e| crate::error::json_error(actix_web::error::JsonPayloadError::Deserialize(e), &req))
+        })
+    }
+}
+
 /// The `Idempotency-Key` header: `None` when absent. A key that is present but unusable —
 /// not UTF-8, empty or only whitespace, over 200 characters — is refused with 400
 /// `invalid_idempotency_key`, never silently dropped: a client that believes it sent a key
@@ -199,7 +240,7 @@ pub fn check_idempotency_key(key: &str) -> Result<(), ApiError> {
     if key.trim().is_empty() {
         return Err(ApiError::bad_request("invalid_idempotency_key", "an idempotency key must not be empty; omit it to send without one"));
     }
-    if key.len() > 200 {
+    if key.chars().count() > 200 {
         return Err(ApiError::bad_request("invalid_idempotency_key", "idempotency keys are limited to 200 characters"));
     }
     Ok(())

@@ -390,6 +390,19 @@ async fn hostile_bad_input_gets_4xx_envelopes_and_every_answer_the_hygiene_heade
     check(send(reqwest::Method::POST, &chat, "text/plain", "hello").await.unwrap(), 415, "unsupported_media_type").await;
     check(send(reqwest::Method::POST, "/api/threads", json, &format!(r#"{{"title": "{}"}}"#, "x".repeat(2 * 1024 * 1024))).await.unwrap(), 413, "payload_too_large").await;
     check(send(reqwest::Method::POST, "/api/threads", json, "{not json").await.unwrap(), 400, "invalid_json").await;
+    // serde builds a struct from a JSON array (positional fields): a body is an object or 400.
+    let threads_before: i64 = stack.db.client().await.unwrap().query_one("SELECT count(*) FROM threads", &[]).await.unwrap().get(0);
+    for body in [r#"["t-positional"]"#, "\"a title\"", "null", "42"] {
+        check(send(reqwest::Method::POST, "/api/threads", json, body).await.unwrap(), 400, "invalid_json").await;
+    }
+    check(send(reqwest::Method::POST, &chat, json, r#"["positional content", null, "enqueue"]"#).await.unwrap(), 400, "invalid_json").await;
+    let threads_after: i64 = stack.db.client().await.unwrap().query_one("SELECT count(*) FROM threads", &[]).await.unwrap().get(0);
+    assert_eq!(threads_after, threads_before, "an array body created a thread");
+    // Idempotency keys are bounded in characters, as documented (not bytes).
+    let r = http.post(url(&chat)).bearer_auth(&stack.key).header("Idempotency-Key", "é".repeat(200)).json(&json!({"content": "k", "multitask": "enqueue"})).send().await.unwrap();
+    assert_eq!(r.status(), 202, "{:?}", r.text().await);
+    let r = http.post(url(&chat)).bearer_auth(&stack.key).header("Idempotency-Key", "é".repeat(201)).json(&json!({"content": "k", "multitask": "enqueue"})).send().await.unwrap();
+    check(r, 400, "invalid_idempotency_key").await;
     check(http.get(url("/api/threads?cursor=%00")).bearer_auth(&stack.key).send().await.unwrap(), 400, "invalid_query").await;
     check(http.get(url("/api/threads?limit=abc")).bearer_auth(&stack.key).send().await.unwrap(), 400, "invalid_query").await;
     check(http.get(url("/api/nothing/here")).bearer_auth(&stack.key).send().await.unwrap(), 404, "route_not_found").await;
@@ -414,6 +427,14 @@ async fn hostile_bad_input_gets_4xx_envelopes_and_every_answer_the_hygiene_heade
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(answer.contains("\"body_timeout\""), "{answer}");
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+
+    // Probes by HEAD get the GET's status and headers, no body; API reads stay GET-only.
+    for path in ["/healthz", "/readyz", "/", "/openapi.json"] {
+        let r = http.head(url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "HEAD {path}");
+        assert!(r.bytes().await.unwrap().is_empty(), "HEAD {path} has a body");
+    }
+    assert_eq!(http.head(url("/api/threads")).bearer_auth(&stack.key).send().await.unwrap().status(), 405);
 
     // The request id: echoed when well-formed, else a new one.
     let r = http.get(url("/healthz")).header("x-request-id", "trace-123").send().await.unwrap();

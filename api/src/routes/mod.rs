@@ -40,11 +40,22 @@ impl Table {
         Args: actix_web::FromRequest + 'static,
         F::Output: Responder + 'static,
     {
-        let route = (!self.record_only).then(|| web::method(method.clone()).to(handler));
+        let route = (!self.record_only).then(|| {
+            if method == Method::GET && HEAD_TOO.contains(&path) {
+                web::route().guard(actix_web::guard::Any(actix_web::guard::Get()).or(actix_web::guard::Head())).to(handler)
+            } else {
+                web::method(method.clone()).to(handler)
+            }
+        });
         self.routes.push((method, path, route));
         self
     }
 }
+
+/// GET routes that also answer HEAD (the same headers, no body: actix drops a HEAD answer's
+/// body), for monitors and load balancers that probe with HEAD. Not the API's reads: a HEAD of a
+/// long-poll would wait like the GET.
+const HEAD_TOO: &[&str] = &["/healthz", "/readyz", "/", "/assets/{name}", "/openapi.json"];
 
 /// Every route of the api.
 pub fn table(t: &mut Table) {

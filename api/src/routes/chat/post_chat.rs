@@ -85,7 +85,7 @@ pub async fn post_chat(
     who: Authenticated,
     req: HttpRequest,
     path: web::Path<Uuid>,
-    body: web::Json<PostChat>,
+    body: crate::extract::Json<PostChat>,
 ) -> Result<HttpResponse, ApiError> {
     let header_key = crate::extract::idempotency_key(&req)?;
     let response = submit(&state, who.0.id, path.into_inner(), body.into_inner(), header_key).await?;

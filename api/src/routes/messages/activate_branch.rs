@@ -44,7 +44,7 @@ pub async fn activate_branch(
     state: web::Data<AppState>,
     who: Authenticated,
     path: web::Path<(Uuid, i64)>,
-    body: web::Json<ActivateBranch>,
+    body: crate::extract::Json<ActivateBranch>,
 ) -> Result<HttpResponse, ApiError> {
     let (thread_id, sequence) = path.into_inner();
     let body = commands::activate_branch(&state.store, who.0.id, thread_id, sequence, body.first_sequence).await?;

@@ -44,7 +44,7 @@ pub async fn edit_message(
     state: web::Data<AppState>,
     who: Authenticated,
     path: web::Path<(Uuid, i64)>,
-    body: web::Json<EditMessage>,
+    body: crate::extract::Json<EditMessage>,
 ) -> Result<HttpResponse, ApiError> {
     let (thread_id, sequence) = path.into_inner();
     let body = body.into_inner();

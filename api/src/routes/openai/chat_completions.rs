@@ -90,7 +90,7 @@ pub async fn chat_completions(
     hidden: web::Data<HiddenRequests>,
     who: Authenticated,
     req: actix_web::HttpRequest,
-    body: web::Json<ChatCompletionRequest>,
+    body: crate::extract::Json<ChatCompletionRequest>,
 ) -> Result<actix_web::Either<HttpResponse, impl Responder>, V1Error> {
     let body = body.into_inner();
     if body.n.is_some_and(|n| n != 1) {

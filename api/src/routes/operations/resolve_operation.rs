@@ -45,7 +45,7 @@ pub async fn resolve_operation(
     state: web::Data<AppState>,
     who: Authenticated,
     path: web::Path<(Uuid, String)>,
-    body: web::Json<Resolve>,
+    body: crate::extract::Json<Resolve>,
 ) -> Result<HttpResponse, ApiError> {
     let (run_id, key) = path.into_inner();
     let body = body.into_inner();

@@ -26,7 +26,7 @@ use crate::views::{SessionCreated, SignIn};
         (status = 503, description = "Database unavailable", body = crate::views::ErrorBody),
     )
 )]
-pub async fn create_session(state: web::Data<AppState>, req: HttpRequest, body: web::Json<SignIn>) -> Result<HttpResponse, ApiError> {
+pub async fn create_session(state: web::Data<AppState>, req: HttpRequest, body: crate::extract::Json<SignIn>) -> Result<HttpResponse, ApiError> {
     let ip = crate::extract::client_ip(&req, state.trusted_proxy_hops);
     if let Some(ip) = ip {
         state.limits.check_address(ip)?;

@@ -33,7 +33,7 @@ pub struct CreateThread {
 pub async fn create_thread(
     state: web::Data<AppState>,
     who: Authenticated,
-    body: web::Json<CreateThread>,
+    body: crate::extract::Json<CreateThread>,
 ) -> Result<HttpResponse, ApiError> {
     Ok(HttpResponse::Created().json(create(&state, who.0.id, body.into_inner()).await?))
 }

@@ -36,7 +36,7 @@ pub async fn update_thread(
     state: web::Data<AppState>,
     who: Authenticated,
     path: web::Path<uuid::Uuid>,
-    body: web::Json<UpdateThread>,
+    body: crate::extract::Json<UpdateThread>,
 ) -> Result<HttpResponse, ApiError> {
     let body = body.into_inner();
     crate::validate::thread_fields(&state.catalog, body.title.as_deref(), body.model.as_deref(), body.metadata.as_ref())?;

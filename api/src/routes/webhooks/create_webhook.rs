@@ -39,7 +39,7 @@ pub struct CreateWebhook {
               (status = 400, description = "`invalid_webhook_url`, `webhook_target_private`, `invalid_webhook_events`, `invalid_description`", body = crate::views::ErrorBody),
               (status = 429, description = "`too_many_webhooks` (`WEBHOOK_MAX_PER_PRINCIPAL`) or a rate limit", body = crate::views::ErrorBody))
 )]
-pub async fn create_webhook(state: web::Data<AppState>, who: Authenticated, body: web::Json<CreateWebhook>) -> Result<HttpResponse, ApiError> {
+pub async fn create_webhook(state: web::Data<AppState>, who: Authenticated, body: crate::extract::Json<CreateWebhook>) -> Result<HttpResponse, ApiError> {
     let body = body.into_inner();
     let settings = &state.webhooks;
     let url = webhooks::validate_url(&body.url, settings.allow_private).map_err(|r| ApiError::bad_request(r.code, r.message))?;
