@@ -2,7 +2,7 @@
 //! worker processes and the scripted mock model.
 
 use std::collections::HashSet;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use agentloop_tests::{Sig, Stack, StackOptions, script};
 use eventsource_stream::Eventsource;
@@ -337,24 +337,48 @@ async fn auth_scoping_and_bad_input() {
     assert_eq!(messages(&stack, &thread).await.len(), 0);
 }
 
+/// SIGTERM mid-stream: the model call in flight is paid for, so it is let finish and its answer
+/// committed while the grace period (`WORKER_SHUTDOWN_GRACE_MS`, 3 s here) leaves time for it;
+/// a stream that would outlast it is dropped when a third of the grace is left, and the run is
+/// handed back (`queued`, not recovered by lease expiry) for another worker to finish.
 #[tokio::test]
-async fn sigterm_hands_the_run_back_and_another_worker_finishes_it() {
-    let mut stack = Stack::start("sigterm", StackOptions::default()).await.unwrap();
+async fn sigterm_lets_a_model_call_finish_or_hands_the_run_back() {
+    let grace = vec![("WORKER_SHUTDOWN_GRACE_MS".into(), "3000".into())];
+    let mut stack = Stack::start("sigterm", StackOptions { worker_env: grace, ..Default::default() }).await.unwrap();
     let c = stack.client();
+
+    // About 1.6 s of stream left at SIGTERM: it finishes, by this worker, with one model call.
     let thread = c.create_thread().await.unwrap();
-    let posted = c
-        .chat(&thread, &script(json!([{"text": "slow one two three four five six", "chunkDelayMs": 400}])))
-        .await
-        .unwrap();
+    let text = "short one two three four five";
+    let posted = c.chat(&thread, &script(json!([{"text": text, "chunkDelayMs": 300}]))).await.unwrap();
+    let run_id = posted["run"]["id"].as_str().unwrap().to_owned();
+    c.wait_run(&run_id, T, |r| r["status"] == "running").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stack.workers[0].signal(Sig::SIGTERM);
+    assert!(stack.workers[0].wait_exit(Duration::from_secs(5)), "worker exits within its grace period");
+    let run = c.get(&format!("/api/runs/{run_id}")).await.unwrap().body;
+    assert_eq!(run["status"], "completed", "the answer in flight was kept: {run}");
+    assert_eq!(run["attempts"], 1, "{run}");
+    let msgs = messages(&stack, &thread).await;
+    assert_eq!(msgs.len(), 2);
+    assert_eq!(msgs[1]["content"], text);
+
+    // About 8 s of stream: dropped at 2 s (a third of the grace left), the run handed back.
+    stack.add_worker(&[("WORKER_SHUTDOWN_GRACE_MS", "3000")]).unwrap();
+    let thread = c.create_thread().await.unwrap();
+    let long = (0..20).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ");
+    let posted = c.chat(&thread, &script(json!([{"text": long, "chunkDelayMs": 400}]))).await.unwrap();
     let run_id = posted["run"]["id"].as_str().unwrap().to_owned();
     c.wait_run(&run_id, T, |r| r["status"] == "running").await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stack.workers[0].signal(Sig::SIGTERM);
-    let requeued = c.wait_run(&run_id, Duration::from_secs(1), |r| r["status"] == "queued").await.unwrap();
+    let signalled = Instant::now();
+    stack.workers[1].signal(Sig::SIGTERM);
+    let requeued = c.wait_run(&run_id, Duration::from_secs(4), |r| r["status"] == "queued").await.unwrap();
     assert_eq!(requeued["leaseOwner"], Value::Null);
-    assert!(stack.workers[0].wait_exit(Duration::from_secs(10)), "worker exits within its grace period");
+    assert!(signalled.elapsed() >= Duration::from_millis(1500), "the stream was let run until the grace ran short: {:?}", signalled.elapsed());
+    assert!(stack.workers[1].wait_exit(Duration::from_secs(5)), "worker exits within its grace period");
     let window = c.get(&format!("/api/threads/{thread}")).await.unwrap().body;
-    assert_eq!(window["messageCount"], 1, "the aborted stream left history untouched");
+    assert_eq!(window["messageCount"], 1, "the dropped stream left history untouched");
     assert_eq!(window["streamingMessage"], Value::Null);
     stack.add_worker(&[]).unwrap();
     let run = c.wait_terminal(&run_id, T).await.unwrap();

@@ -75,7 +75,7 @@ async fn run_compaction(slice: &mut Slice, model: &ModelConfig, context: &[Conte
     let control = slice.control.clone();
     let result = tokio::select! {
         result = compaction::compact(context, settings, &summarizer, &mut on_progress) => result,
-        _ = control.aborted() => return Err(SliceError::Aborted),
+        _ = control.model_call_stopped() => return Err(SliceError::Aborted),
     };
     let events = std::mem::take(&mut *summarizer.events.lock().expect("events lock"));
     if !events.is_empty() {

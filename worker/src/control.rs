@@ -44,6 +44,10 @@ pub struct SliceControl {
     /// Cancelled by every abort but a shutdown: a call with external effects in flight is let
     /// finish on shutdown (its outcome is then known and committed), within the grace period.
     effects: CancellationToken,
+    /// Cancelled by every abort but a shutdown, and by [`SliceControl::stop_model_calls`] when
+    /// the shutdown grace period runs short: a model call in flight at SIGTERM is let finish and
+    /// its answer checkpointed (it is paid for), instead of being dropped and paid again.
+    model: CancellationToken,
     state: Arc<Mutex<State>>,
 }
 
@@ -55,6 +59,7 @@ impl SliceControl {
             epoch,
             token: CancellationToken::new(),
             effects: CancellationToken::new(),
+            model: CancellationToken::new(),
             state: Arc::new(Mutex::new(State { reason: None, confirmed: claimed, ended: false })),
         }
     }
@@ -67,8 +72,21 @@ impl SliceControl {
         }
         if reason != AbortReason::Shutdown {
             self.effects.cancel();
+            self.model.cancel();
         }
         self.token.cancel();
+    }
+
+    /// Drops a model call still in flight after a shutdown abort (the grace period is running
+    /// out: the run must be handed back before the process exits).
+    pub fn stop_model_calls(&self) {
+        self.model.cancel();
+    }
+
+    /// Resolves when a model call in flight must be dropped: any abort but a shutdown, or
+    /// [`SliceControl::stop_model_calls`].
+    pub async fn model_call_stopped(&self) {
+        self.model.cancelled().await
     }
 
     /// The abort reason, if aborted.

@@ -345,8 +345,25 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     for control in in_flight.lock().expect("in-flight lock").values() {
         control.abort(AbortReason::Shutdown);
     }
-    let drained = tokio::time::timeout(config.shutdown_grace, async {
-        while slices.join_next().await.is_some() {}
+    // Model calls in flight finish and are checkpointed (they are paid for) while the grace
+    // period leaves time to hand their runs back; then the ones still streaming are dropped.
+    let grace_ends = tokio::time::Instant::now() + config.shutdown_grace;
+    let model_calls_end = grace_ends - shutdown_reserve(config.shutdown_grace);
+    let drained = tokio::time::timeout_at(grace_ends, async {
+        let mut model_calls_stopped = false;
+        loop {
+            tokio::select! {
+                joined = slices.join_next() => if joined.is_none() { break },
+                _ = tokio::time::sleep_until(model_calls_end), if !model_calls_stopped => {
+                    model_calls_stopped = true;
+                    let controls = in_flight.lock().expect("in-flight lock").values().cloned().collect::<Vec<_>>();
+                    tracing::info!(slices = controls.len(), "shutdown grace running short: dropping model calls still streaming");
+                    for control in controls {
+                        control.stop_model_calls();
+                    }
+                }
+            }
+        }
     })
     .await;
     if drained.is_err() {
@@ -358,6 +375,12 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     }
     stop.cancel();
     Ok(())
+}
+
+/// The end of a shutdown's grace period kept for handing runs back after model calls that were
+/// let finish (`WORKER_SHUTDOWN_GRACE_MS`): a third of it, at most 3 s.
+fn shutdown_reserve(grace: Duration) -> Duration {
+    (grace / 3).min(Duration::from_secs(3))
 }
 
 /// Size budget of the slice starts one claim answers (their contexts), in bytes: the claim stops

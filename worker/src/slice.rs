@@ -522,7 +522,9 @@ async fn client_turn(
 }
 
 /// Calls the model with streaming; the partial answer goes to the stream flusher (never to
-/// history). Aborts drop the request at once.
+/// history). A cancellation or a lost lease drops the request at once; a shutdown lets it
+/// finish (the answer is paid for: it is checkpointed, then the run handed back at the next safe
+/// point) unless the grace period runs short ([`SliceControl::model_call_stopped`]).
 async fn call_model(
     slice: &mut Slice,
     model: &ModelConfig,
@@ -544,7 +546,7 @@ async fn call_model(
     let control = slice.control.clone();
     let result = tokio::select! {
         result = env.provider.stream_chat(model, request, &mut on_delta) => result,
-        _ = control.aborted() => {
+        _ = control.model_call_stopped() => {
             drop(stream);
             return Err(SliceError::Aborted);
         }
