@@ -118,6 +118,51 @@ async fn interrupt_cancels_the_active_run_and_starts_the_new_one() {
     assert_eq!(msgs.last().unwrap()["content"], "interrupting answer");
 }
 
+/// The newest interrupt wins (migration 000025): an interrupt cancels the active run and every
+/// turn waiting behind it, so of a queued turn and six interrupts sent at once while a run
+/// streams, exactly one interrupt runs — one paid answer, not one per turn in turn.
+#[tokio::test]
+async fn concurrent_interrupts_leave_one_turn_to_answer() {
+    let stack = Stack::start("interrupt_newest", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let first = c.chat(&thread, &script(json!([{"text": "a b c d e f g h i j", "chunkDelayMs": 500}]))).await.unwrap();
+    let first_id = first["run"]["id"].as_str().unwrap().to_owned();
+    c.wait_run(&first_id, T, |r| r["status"] == "running").await.unwrap();
+    let path = format!("/api/threads/{thread}/chat");
+    let queued = c.post(&path, json!({"content": script(json!([{"text": "queued answer"}])), "multitask": "enqueue"})).await.unwrap();
+    assert_eq!(queued.status, 202, "{queued:?}");
+    let interrupts = futures_util::future::join_all((0..6).map(|i| {
+        c.post(&path, json!({"content": script(json!([{"text": format!("interrupt answer {i}"), "delayMs": 200}])), "multitask": "interrupt"}))
+    }))
+    .await;
+    let mut runs = vec![queued.body["run"]["id"].as_str().unwrap().to_owned()];
+    for r in interrupts {
+        let r = r.unwrap();
+        assert_eq!(r.status, 202, "{r:?}");
+        runs.push(r.body["run"]["id"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(c.wait_terminal(&first_id, T).await.unwrap()["status"], "cancelled");
+    let mut completed = Vec::new();
+    for run in &runs {
+        let done = c.wait_terminal(run, T).await.unwrap();
+        match done["status"].as_str() {
+            Some("completed") => completed.push(run.clone()),
+            Some("cancelled") => {}
+            other => panic!("run {run} ended {other:?}: {done}"),
+        }
+    }
+    assert_eq!(completed.len(), 1, "one turn answers: {completed:?}");
+    assert_ne!(completed[0], runs[0], "the queued turn was superseded");
+    // One paid answer, the last message. (A turn already promoted into the transcript when a
+    // later interrupt cancelled it keeps its user message, as an interrupted run does.)
+    let msgs = c.get(&format!("/api/threads/{thread}")).await.unwrap().body["messages"].as_array().unwrap().clone();
+    let answers: Vec<&Value> = msgs.iter().filter(|m| m["role"] == "assistant" && m["stopped"] != true).collect();
+    assert_eq!(answers.len(), 1, "{msgs:#?}");
+    assert_eq!(msgs.last().unwrap(), answers[0]);
+    assert!(answers[0]["content"].as_str().unwrap().starts_with("interrupt answer"), "{}", answers[0]);
+}
+
 #[tokio::test]
 async fn a_worker_paused_past_its_lease_writes_nothing_after_resuming() {
     let lease = vec![("WORKER_LEASE_MS".into(), "3000".into()), ("WORKER_RENEW_MS".into(), "1000".into())];
