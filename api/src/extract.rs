@@ -222,6 +222,27 @@ impl<T: serde::de::DeserializeOwned + 'static> FromRequest for Json<T> {
     }
 }
 
+/// An optional JSON object body: `None` when the request has no body (no `Content-Length`,
+/// or 0, and no `Transfer-Encoding`); otherwise exactly [`Json`] — a malformed body is a 400,
+/// never silently read as absent (actix's `Option<Json<T>>` turns every error into `None`).
+pub struct OptionalJson<T>(pub Option<T>);
+
+impl<T: serde::de::DeserializeOwned + 'static> FromRequest for OptionalJson<T> {
+    type Error = actix_web::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self, actix_web::Error>>>>;
+
+    fn from_request(req: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        use actix_web::http::header::{CONTENT_LENGTH, TRANSFER_ENCODING};
+        let headers = req.headers();
+        let length = headers.get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).map(str::trim);
+        if matches!(length, None | Some("0")) && !headers.contains_key(TRANSFER_ENCODING) {
+            return Box::pin(async { Ok(OptionalJson(None)) });
+        }
+        let body = Json::<T>::from_request(req, payload);
+        Box::pin(async move { Ok(OptionalJson(Some(body.await?.into_inner()))) })
+    }
+}
+
 /// The `Idempotency-Key` header: `None` when absent. A key that is present but unusable —
 /// not UTF-8, empty or only whitespace, over 200 characters — is refused with 400
 /// `invalid_idempotency_key`, never silently dropped: a client that believes it sent a key

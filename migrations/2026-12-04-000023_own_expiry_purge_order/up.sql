@@ -79,13 +79,14 @@ END $$;
 
 -- As in 000021, with the start loop in agentloop_claim_starts, the timer counting the caller's
 -- runs that are not in flight, and `released` (3. above).
--- p = {owner, limit, leaseMs, inflight: [run id], adopt, released: [{runId, epoch}], start}.
+-- p = {owner, limit, leaseMs, inflight: [run id], adopt, released: [{runId, epoch, fault}], start}.
 CREATE OR REPLACE FUNCTION agentloop_claim(p jsonb) RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_owner text := p ->> 'owner';
     v_lease interval := make_interval(secs => (p ->> 'leaseMs')::bigint / 1000.0);
     v_inflight uuid[] := coalesce((SELECT array_agg(x::uuid) FROM jsonb_array_elements_text(p -> 'inflight') x), '{}');
+    v_released uuid[] := coalesce((SELECT array_agg((x ->> 'runId')::uuid) FROM jsonb_array_elements(p -> 'released') x), '{}');
     v_adopted jsonb;
     v_claimed jsonb;
     v_fresh uuid[];
@@ -97,7 +98,9 @@ BEGIN
         WITH a AS (
             UPDATE runs r SET lease_expires_at = now() + v_lease
              WHERE r.status = 'running' AND r.lease_owner = v_owner AND r.lease_expires_at > now()
-               AND NOT (r.id = ANY(v_inflight))
+               -- A released run gets a new fencing token below: a statement of its old slice may
+               -- still be on its way.
+               AND NOT (r.id = ANY(v_inflight || v_released))
             RETURNING r.seq, r.id, agentloop_run_json(r) AS j
         )
         SELECT coalesce(jsonb_agg(j ORDER BY seq), '[]'::jsonb), coalesce(array_agg(id), '{}')
@@ -108,16 +111,19 @@ BEGIN
     END IF;
     -- Runs the caller released (3. above): still running under its owner and the epoch its
     -- slice had, they are taken again at once, whatever their lease, with a new fencing token
-    -- but no recovery or fault: their worker is alive, it only could not write.
+    -- but no recovery: their worker is alive, it only could not write. A fault only when the
+    -- release says so (`fault`: the end it could not write was a faulting hand-back, or what
+    -- stopped the write was not an outage), so a poison run still ends `abandoned`.
     WITH x AS (
-        SELECT r.id FROM runs r
-          JOIN jsonb_to_recordset(coalesce(p -> 'released', '[]'::jsonb)) AS rel("runId" uuid, epoch bigint)
+        SELECT r.id, coalesce(rel.fault, true) AS fault FROM runs r
+          JOIN jsonb_to_recordset(coalesce(p -> 'released', '[]'::jsonb)) AS rel("runId" uuid, epoch bigint, fault boolean)
             ON r.id = rel."runId" AND r.lease_epoch = rel.epoch
          WHERE r.status = 'running' AND r.lease_owner = v_owner AND NOT (r.id = ANY(v_mine || v_inflight))
          ORDER BY r.seq LIMIT greatest((p ->> 'limit')::int - jsonb_array_length(v_adopted), 0)
            FOR UPDATE OF r SKIP LOCKED
     ), u AS (
         UPDATE runs r SET lease_epoch = r.lease_epoch + 1, attempts = r.attempts + 1,
+                          faults = r.faults + x.fault::int,
                           lease_expires_at = now() + v_lease, updated_at = now()
           FROM x WHERE r.id = x.id
         RETURNING r.seq, r.id, agentloop_run_json(r) AS j
@@ -172,10 +178,12 @@ DECLARE
     v_threads int := 0;
     v_thread uuid;
     v_held boolean;
+    v_skipped uuid[] := '{}';
 BEGIN
     LOOP
         SELECT id INTO v_thread FROM threads
          WHERE deleted_at IS NOT NULL AND deleted_at < now() - make_interval(hours => (p ->> 'keepHours')::int)
+           AND NOT (id = ANY(v_skipped))
          ORDER BY deleted_at LIMIT 1 FOR UPDATE SKIP LOCKED;
         IF v_thread IS NULL THEN
             RETURN jsonb_build_object('deleted', v_deleted, 'threads', v_threads, 'done', true);
@@ -195,14 +203,17 @@ BEGIN
         -- child thread, a run whose context was compacted from it) get NULL through their
         -- foreign keys, which would lock them in storage order, waiting. So they are locked here
         -- first: child threads in id order, then those runs, none waited for. One held by
-        -- another transaction leaves the thread row to the next pass.
+        -- another transaction leaves the thread row to the next pass; the batch goes on with the
+        -- next deleted thread.
         WITH c AS (SELECT id FROM threads WHERE parent_thread_id = v_thread ORDER BY id FOR NO KEY UPDATE SKIP LOCKED),
              r AS (SELECT id FROM runs WHERE source_thread_id = v_thread ORDER BY id FOR NO KEY UPDATE SKIP LOCKED)
         SELECT (SELECT count(*) FROM c) < (SELECT count(*) FROM threads WHERE parent_thread_id = v_thread)
             OR (SELECT count(*) FROM r) < (SELECT count(*) FROM runs WHERE source_thread_id = v_thread)
           INTO v_held;
         IF v_held THEN
-            RETURN jsonb_build_object('deleted', v_deleted, 'threads', v_threads, 'done', true);
+            v_skipped := v_skipped || v_thread;
+            v_thread := NULL;
+            CONTINUE;
         END IF;
         DELETE FROM threads WHERE id = v_thread;
         v_deleted := v_deleted + 1;

@@ -396,6 +396,8 @@ async fn hostile_bad_input_gets_4xx_envelopes_and_every_answer_the_hygiene_heade
         check(send(reqwest::Method::POST, "/api/threads", json, body).await.unwrap(), 400, "invalid_json").await;
     }
     check(send(reqwest::Method::POST, &chat, json, r#"["positional content", null, "enqueue"]"#).await.unwrap(), 400, "invalid_json").await;
+    // An optional body is optional, not unchecked: a malformed one is refused too.
+    check(send(reqwest::Method::POST, &format!("/api/threads/{thread}/messages/1/regenerate"), json, "[1]").await.unwrap(), 400, "invalid_json").await;
     let threads_after: i64 = stack.db.client().await.unwrap().query_one("SELECT count(*) FROM threads", &[]).await.unwrap().get(0);
     assert_eq!(threads_after, threads_before, "an array body created a thread");
     // Idempotency keys are bounded in characters, as documented (not bytes).
@@ -404,6 +406,11 @@ async fn hostile_bad_input_gets_4xx_envelopes_and_every_answer_the_hygiene_heade
     let r = http.post(url(&chat)).bearer_auth(&stack.key).header("Idempotency-Key", "é".repeat(201)).json(&json!({"content": "k", "multitask": "enqueue"})).send().await.unwrap();
     check(r, 400, "invalid_idempotency_key").await;
     check(http.get(url("/api/threads?cursor=%00")).bearer_auth(&stack.key).send().await.unwrap(), 400, "invalid_query").await;
+    // A cursor beyond what PostgreSQL's timestamps hold is malformed, not a 500.
+    for at in ["-8000000000000000000", "8000000000000000000"] {
+        let cursor = format!("{at}_00000000-0000-0000-0000-000000000000");
+        check(http.get(url(&format!("/api/threads?cursor={cursor}"))).bearer_auth(&stack.key).send().await.unwrap(), 400, "invalid_cursor").await;
+    }
     check(http.get(url("/api/threads?limit=abc")).bearer_auth(&stack.key).send().await.unwrap(), 400, "invalid_query").await;
     check(http.get(url("/api/nothing/here")).bearer_auth(&stack.key).send().await.unwrap(), 404, "route_not_found").await;
     let headers = check(http.put(url("/api/threads")).bearer_auth(&stack.key).send().await.unwrap(), 405, "method_not_allowed").await;

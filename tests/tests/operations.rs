@@ -577,15 +577,22 @@ async fn the_purge_never_waits_for_a_thread_or_run_another_session_holds() {
         let admin = &admin;
         async move { admin.query_one("SELECT count(*) FROM threads WHERE id = $1", &[&id]).await.unwrap().get::<_, i64>(0) == 1 }
     };
-    // Another session holds the child thread, then the run: the thread row stays for later.
+    // Another session holds the child thread, then the run: the thread row stays for later, and
+    // the batch goes on with the next deleted thread (one deleted after it, pointed at by nothing).
     for held in ["SELECT 1 FROM threads WHERE id = $1 FOR NO KEY UPDATE", "SELECT 1 FROM runs WHERE id = $1 FOR NO KEY UPDATE"] {
+        let next = Uuid::new_v4();
+        admin
+            .execute("INSERT INTO threads (id, owner_id, title, deleted_at) VALUES ($1, $2, 'next', now() - interval '9 hours')", &[&next, &principal])
+            .await
+            .unwrap();
         let holder = db.client().await.unwrap();
         holder.batch_execute("BEGIN").await.unwrap();
         let id = if held.contains("threads") { live[0].0 } else { live[1].1 };
         holder.execute(held, &[&id]).await.unwrap();
         let answer = purge().await;
-        assert_eq!(answer["threads"], 0, "{answer}");
+        assert_eq!(answer["threads"], 1, "{answer}");
         assert!(exists(gone).await, "the thread row was deleted while a row pointing at it was held");
+        assert!(!exists(next).await, "a held child stopped the purge of the threads after it");
         holder.batch_execute("COMMIT").await.unwrap();
     }
     // Nothing held: the row goes, and what pointed at it is NULL; the live data is untouched.

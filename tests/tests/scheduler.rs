@@ -569,4 +569,23 @@ async fn the_claim_timer_counts_the_callers_own_runs_it_no_longer_executes() {
     let again = store.call("agentloop_claim", &claim(json!([])), Replay::Safe, None).await.unwrap();
     assert_eq!(again["runs"][0]["id"], run.as_str(), "claimed back once its lease expired: {again}");
     assert_eq!(again["runs"][0]["recoveries"], 1);
+
+    // Released (its slice could not write its end): taken back at once with a NEW fencing token
+    // even by a pass that also adopts (a statement of the old slice may still land), no
+    // recovery, and a fault only when the release says so.
+    let epoch = again["runs"][0]["leaseEpoch"].as_i64().unwrap();
+    let faults = again["runs"][0]["faults"].as_i64().unwrap();
+    let release = |epoch: i64, fault: bool, adopt: bool| {
+        json!({"owner": "w-own", "limit": 4, "leaseMs": 3000, "inflight": [], "adopt": adopt,
+               "released": [{"runId": run, "epoch": epoch, "fault": fault}]})
+    };
+    let stale = store.call("agentloop_claim", &release(epoch - 1, false, false), Replay::Safe, None).await.unwrap();
+    assert_eq!(stale["runs"], json!([]), "a stale epoch is not taken: {stale}");
+    let back = store.call("agentloop_claim", &release(epoch, false, true), Replay::Safe, None).await.unwrap();
+    assert_eq!(back["runs"].as_array().unwrap().len(), 1, "{back}");
+    assert_eq!(back["runs"][0]["leaseEpoch"], epoch + 1, "a new fencing token, not adopted: {back}");
+    assert_eq!((back["runs"][0]["recoveries"].as_i64(), back["runs"][0]["faults"].as_i64()), (Some(1), Some(faults)));
+    let faulted = store.call("agentloop_claim", &release(epoch + 1, true, false), Replay::Safe, None).await.unwrap();
+    assert_eq!(faulted["runs"][0]["leaseEpoch"], epoch + 2, "{faulted}");
+    assert_eq!(faulted["runs"][0]["faults"], faults + 1, "a faulting release counts: {faulted}");
 }

@@ -83,6 +83,11 @@ impl SliceControl {
         self.model.cancel();
     }
 
+    /// Whether calls with external effects were told to stop (any abort but a shutdown).
+    pub fn effects_stopped(&self) -> bool {
+        self.effects.is_cancelled()
+    }
+
     /// Resolves when a model call in flight must be dropped: any abort but a shutdown, or
     /// [`SliceControl::stop_model_calls`].
     pub async fn model_call_stopped(&self) {
@@ -188,7 +193,13 @@ pub async fn keeper(store: Store, owner: String, lease: Duration, renew: Duratio
             }
         }
         for (id, control) in &slices {
-            if control.reason().is_none() && !control.ended() && control.confirmed().elapsed() >= watchdog {
+            // After a shutdown abort too: a model call let finish on shutdown must still stop
+            // when the lease can no longer be confirmed.
+            if control.reason().is_none_or(|r| r == AbortReason::Shutdown)
+                && !control.effects_stopped()
+                && !control.ended()
+                && control.confirmed().elapsed() >= watchdog
+            {
                 tracing::warn!(run.id = %id, since_ms = control.confirmed().elapsed().as_millis() as u64,
                                "watchdog: lease not confirmed for lease - renew; stopping the slice");
                 metrics::counter!("agentloop_lease_lost_total").increment(1);

@@ -199,9 +199,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     // After a failed claim pass its answer may have been lost: the next pass re-adopts.
     let mut adopt_next = false;
     // Runs whose slice could not record its end (a transient fault outlasted the retries): the
-    // next claim pass takes them back without counting a fault. At most one per slice that
-    // ended; kept until a claim pass succeeds.
-    let mut released: Vec<scheduler::Released> = Vec::new();
+    // next claim pass takes them back (scheduler::Released). At most one per slice that ended;
+    // one the claim did not take (no free slot, its row locked by a statement of the old slice)
+    // is named again, in at most RELEASE_PASSES successful passes.
+    let mut released: Vec<(scheduler::Released, u32)> = Vec::new();
     // When the last successful claim pass ended and how long it took.
     let mut last_pass: Option<(Instant, Duration)> = None;
     let mut next_timer = config.safety_poll;
@@ -256,11 +257,16 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
             // cancelled statement, which no subtransaction catches) must not fail every pass.
             let spare = !adopt_next && last_pass.is_none_or(|(ended, took): (Instant, Duration)| ended.elapsed() >= took);
             let start = (config.claim_starts > 0 && spare).then(|| claim_start_options(&env, config.claim_starts as usize, config.max_recoveries));
-            match scheduler::claim(&store, &worker_id, free, config.lease, &inflight, &released, adopt_next, start.as_ref()).await {
+            let naming: Vec<scheduler::Released> = released.iter().map(|(r, _)| *r).collect();
+            match scheduler::claim(&store, &worker_id, free, config.lease, &inflight, &naming, adopt_next, start.as_ref()).await {
                 Ok(claimed) => {
                     adopt_next = false;
-                    // Taken back, or no longer this worker's to take (claimed meanwhile, ended).
-                    released.clear();
+                    // Taken back, or no longer this worker's to take (claimed meanwhile, ended),
+                    // or named often enough: its lease expires and any worker recovers it.
+                    released.retain_mut(|(r, passes)| {
+                        *passes += 1;
+                        *passes < RELEASE_PASSES && !claimed.runs.iter().any(|run| run.id == r.run_id)
+                    });
                     last_pass = Some((Instant::now(), started.elapsed()));
                     metrics::histogram!("agentloop_claim_duration_seconds").record(started.elapsed().as_secs_f64());
                     pass_wanted = claimed.runs.len() == free;
@@ -329,7 +335,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
             },
             Some(joined) = slices.join_next(), if !slices.is_empty() => {
                 match joined {
-                    Ok(Some(run)) => released.push(run),
+                    Ok(Some(run)) => released.push((run, 0)),
                     Ok(None) => {}
                     Err(error) => tracing::error!(%error, "a slice task died"),
                 }
@@ -376,6 +382,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     stop.cancel();
     Ok(())
 }
+
+/// Successful claim passes that name a released run (`scheduler::Released`) before it is left
+/// to lease expiry.
+const RELEASE_PASSES: u32 = 3;
 
 /// The end of a shutdown's grace period kept for handing runs back after model calls that were
 /// let finish (`WORKER_SHUTDOWN_GRACE_MS`): a third of it, at most 3 s.

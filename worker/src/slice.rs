@@ -243,6 +243,7 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_
         };
         if let Some(end) = end {
             let label = end.label();
+            let faulting = end == SliceEnd::Handback { fault: true };
             let mut commit = Commit { end: Some(end), ..Commit::default() };
             if label == "cancelled" {
                 match slice.stopped_partial() {
@@ -260,10 +261,11 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_
                     tracing::warn!(end = label, "lease lost before the slice end was written");
                     metrics::counter!("agentloop_slices_total", "end" => "lease_lost").increment(1);
                 }
-                Err(SliceError::Transient(error) | SliceError::Outage(error)) => {
+                Err(error @ (SliceError::Transient(_) | SliceError::Outage(_))) => {
                     tracing::warn!(%error, end = label, "could not record the slice end; the next claim takes the run back");
                     metrics::counter!("agentloop_slices_total", "end" => "unrecorded").increment(1);
-                    released = Some(Released { run_id: run.id, epoch: run.lease_epoch });
+                    let fault = faulting || !matches!(error, SliceError::Outage(_));
+                    released = Some(Released { run_id: run.id, epoch: run.lease_epoch, fault });
                 }
                 Err(error) => {
                     tracing::warn!(%error, end = label, "could not record the slice end; the lease will expire and the run be recovered");

@@ -52,15 +52,18 @@ pub struct StartOptions {
 
 /// A run the caller's slice left `running` under its lease because it could not record the
 /// slice's end (a transient fault outlasted the store's retries). Named in the next claim
-/// (`p.released`), it is taken back at once with a new fencing token and without counting a
-/// recovery or a fault (migration 000023): a partial database outage must not fail runs
-/// `abandoned`.
+/// (`p.released`), it is taken back at once with a new fencing token, without counting a
+/// recovery, and a fault only when [`Released::fault`] says so (migration 000023): a partial
+/// database outage must not fail runs `abandoned`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Released {
     pub run_id: Uuid,
     /// The fencing token the slice held; a run claimed by anyone since is not taken.
     pub epoch: i64,
+    /// Count a fault when it is taken back: the end the slice could not write was a faulting
+    /// hand-back, or what stopped the write was not an outage (a poison run still ends).
+    pub fault: bool,
 }
 
 /// The per-model part of a slice start.

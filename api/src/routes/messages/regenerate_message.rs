@@ -28,10 +28,10 @@ pub async fn regenerate_message(
     state: web::Data<AppState>,
     who: Authenticated,
     path: web::Path<(Uuid, i64)>,
-    body: Option<crate::extract::Json<RunOptions>>,
+    body: crate::extract::OptionalJson<RunOptions>,
 ) -> Result<HttpResponse, ApiError> {
     let (thread_id, sequence) = path.into_inner();
-    let options = body.map(crate::extract::Json::into_inner).unwrap_or_default().validated(&state)?;
+    let options = body.0.unwrap_or_default().validated(&state)?;
     let response = commands::regenerate(&state.store, who.0.id, thread_id, sequence, options).await?;
     Ok(HttpResponse::Accepted().json(response))
 }

@@ -30,7 +30,9 @@ pub struct ListQuery {
 pub(crate) fn parse_cursor(cursor: &str) -> Option<(DateTime<Utc>, Uuid)> {
     let (at, id) = cursor.split_once('_')?;
     let micros: i64 = at.parse().ok()?;
-    Some((DateTime::from_timestamp_micros(micros)?, Uuid::parse_str(id).ok()?))
+    // Years 1..=9999: inside what PostgreSQL's timestamptz holds (a cursor beyond it was a 500).
+    let at = DateTime::from_timestamp_micros(micros).filter(|t| (1..=9999).contains(&chrono::Datelike::year(t)))?;
+    Some((at, Uuid::parse_str(id).ok()?))
 }
 
 /// Thread summaries, most recently updated first: id, title, model, authoritative
