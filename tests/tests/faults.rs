@@ -322,6 +322,7 @@ async fn a_full_disk_pauses_runs_and_fails_none() {
         let text = format!("queued answer {i} {}", "x".repeat(2000));
         turns.push((c.chat(&thread, &script(json!([{"text": text, "delayMs": 300}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned(), text));
     }
+    let refused_thread = c.create_thread().await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
     // Full, for longer than the lease.
@@ -330,7 +331,6 @@ async fn a_full_disk_pauses_runs_and_fails_none() {
     let err = probe.expect_err("the small disk still took 10 MB");
     assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::DISK_FULL), "{err}");
     eprintln!("disk full ({filled} bytes of filler)");
-    let refused_thread = c.create_thread().await;
     let mut refused: Option<(String, String)> = None;
     let held = Instant::now();
     let mut posts = 0;
