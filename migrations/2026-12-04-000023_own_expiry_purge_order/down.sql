@@ -237,3 +237,6 @@ BEGIN
     RETURN r;
 END $$;
 
+
+DROP FUNCTION agentloop_outage_fault(int, int);
+ALTER TABLE runs DROP COLUMN IF EXISTS outages;

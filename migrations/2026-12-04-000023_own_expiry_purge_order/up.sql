@@ -34,7 +34,22 @@
 --    `abandoned`. But when the database was unavailable to everyone — connections lost,
 --    shutting down, read-only, disk full, no connection (agentloop_shared::store::fault, "outage")
 --    — the run is not to blame, and a long outage failed every active run. The slice end
---    `handback` now carries `fault`; false counts nothing. Absent (older workers), it counts.
+--    `handback` now carries `fault`; false counts an outage (`runs.outages`), and only every
+--    tenth outage a fault (see agentloop_outage_fault). Absent (older workers), it counts.
+
+-- Outages (4. above) are not the run's fault, but a run whose own statements crash the server
+-- (its backend OOM-killed) would hand back as an outage forever. So every tenth outage
+-- hand-back or release of a run counts one fault: a run is abandoned only after about ten times
+-- as many outage interruptions in a row without progress (60 with WORKER_MAX_RECOVERIES 5; 15
+-- minutes of outage at a 15 s lease), while a real outage of minutes fails nothing.
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS outages integer NOT NULL DEFAULT 0;
+
+-- The fault an outage interruption adds to a run that had `p_outages` before it: 1 on every
+-- tenth, else 0 (`p_outage` 0: not an outage, nothing).
+CREATE OR REPLACE FUNCTION agentloop_outage_fault(p_outages int, p_outage int) RETURNS int
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN p_outage > 0 AND (p_outages + p_outage) % 10 = 0 THEN 1 ELSE 0 END
+$$;
 
 -- p as agentloop_claim's; the answer's `starts` as before (000020).
 CREATE OR REPLACE FUNCTION agentloop_claim_starts(p jsonb, p_fresh uuid[]) RETURNS jsonb LANGUAGE plpgsql
@@ -123,7 +138,8 @@ BEGIN
            FOR UPDATE OF r SKIP LOCKED
     ), u AS (
         UPDATE runs r SET lease_epoch = r.lease_epoch + 1, attempts = r.attempts + 1,
-                          faults = r.faults + x.fault::int,
+                          faults = r.faults + x.fault::int + agentloop_outage_fault(r.outages, (NOT x.fault)::int),
+                          outages = r.outages + (NOT x.fault)::int,
                           lease_expires_at = now() + v_lease, updated_at = now()
           FROM x WHERE r.id = x.id
         RETURNING r.seq, r.id, agentloop_run_json(r) AS j
@@ -237,6 +253,7 @@ DECLARE
     v_message text := p_end ->> 'message';
     v_steps int := CASE WHEN p_step IS NULL THEN 0 ELSE 1 END;
     v_faults int := 0;
+    v_outage int := 0;
     a tool_approvals;
     v_partial jsonb;
 BEGIN
@@ -265,7 +282,8 @@ BEGIN
         WHEN 'interrupted' THEN v_status := 'queued'; v_step_status := 'interrupted'; v_steps := 0;
         WHEN 'handback' THEN v_status := 'queued'; v_step_status := 'interrupted'; v_steps := 0;
             -- An outage (`fault: false`) says nothing about the run (4. above).
-            v_faults := CASE WHEN (p_end ->> 'fault')::boolean IS FALSE THEN 0 ELSE 1 END;
+            v_outage := CASE WHEN (p_end ->> 'fault')::boolean IS FALSE THEN 1 ELSE 0 END;
+            v_faults := 1 - v_outage;
         WHEN 'failed' THEN v_status := 'failed'; v_step_status := 'failed';
         WHEN 'cancelled' THEN v_status := 'cancelled'; v_step_status := 'cancelled';
         WHEN 'waiting_approval' THEN v_status := 'waiting_approval'; v_step_status := 'waiting_approval';
@@ -289,7 +307,9 @@ BEGIN
     END IF;
     UPDATE runs SET status = v_status,
                     steps_used = steps_used + v_steps,
-                    faults = CASE WHEN (p_usage ->> 'progress')::boolean THEN 0 ELSE faults END + v_faults,
+                    faults = CASE WHEN (p_usage ->> 'progress')::boolean THEN 0 ELSE faults END + v_faults
+                             + agentloop_outage_fault(outages, v_outage),
+                    outages = outages + v_outage,
                     tool_calls_used = tool_calls_used + coalesce((p_usage ->> 'toolCalls')::int, 0),
                     prompt_tokens = prompt_tokens + coalesce((p_usage ->> 'promptTokens')::bigint, 0),
                     completion_tokens = completion_tokens + coalesce((p_usage ->> 'completionTokens')::bigint, 0),

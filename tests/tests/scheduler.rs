@@ -588,4 +588,15 @@ async fn the_claim_timer_counts_the_callers_own_runs_it_no_longer_executes() {
     let faulted = store.call("agentloop_claim", &release(epoch + 1, true, false), Replay::Safe, None).await.unwrap();
     assert_eq!(faulted["runs"][0]["leaseEpoch"], epoch + 2, "{faulted}");
     assert_eq!(faulted["runs"][0]["faults"], faults + 1, "a faulting release counts: {faulted}");
+    // Outages count too, ten to a fault (a run whose own statements crash the server still
+    // ends): the outage release above was the first; the tenth adds one fault.
+    let mut epoch = epoch + 2;
+    let mut seen = Vec::new();
+    for _ in 0..9 {
+        let back = store.call("agentloop_claim", &release(epoch, false, false), Replay::Safe, None).await.unwrap();
+        epoch = back["runs"][0]["leaseEpoch"].as_i64().unwrap_or_else(|| panic!("{back}"));
+        seen.push(back["runs"][0]["faults"].as_i64().unwrap());
+    }
+    let before = faults + 1;
+    assert_eq!(seen, [vec![before; 8], vec![before + 1]].concat(), "faults after each outage release");
 }
