@@ -67,16 +67,39 @@ impl Cluster {
         let mock = MockModel::start()?;
         let key = create_key(&db.url, "tester")?;
         let api_ports: Vec<u16> = (0..2).map(|_| free_port()).collect();
-        let (lb_port, stats_port) = (free_port(), free_port());
         let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/haproxy/agentloop.cfg");
-        let mut cmd = Command::new(haproxy);
-        cmd.args(["-W", "-db", "-f"])
-            .arg(&config)
-            .env("AGENTLOOP_LB_LISTEN", format!("127.0.0.1:{lb_port}"))
-            .env("AGENTLOOP_LB_STATS", format!("127.0.0.1:{stats_port}"))
-            .env("AGENTLOOP_API_1", format!("127.0.0.1:{}", api_ports[0]))
-            .env("AGENTLOOP_API_2", format!("127.0.0.1:{}", api_ports[1]));
-        let lb = spawn_logged(test, "haproxy", cmd)?;
+        // A port found free can be taken by a parallel test before HAProxy binds it (CI saw
+        // "cannot bind socket (Address already in use)"): HAProxy then exits at once, and is
+        // started again on other ports.
+        let mut attempt = 0;
+        let (lb, lb_port, stats_port) = loop {
+            attempt += 1;
+            let (lb_port, stats_port) = (free_port(), free_port());
+            let mut cmd = Command::new(&haproxy);
+            cmd.args(["-W", "-db", "-f"])
+                .arg(&config)
+                .env("AGENTLOOP_LB_LISTEN", format!("127.0.0.1:{lb_port}"))
+                .env("AGENTLOOP_LB_STATS", format!("127.0.0.1:{stats_port}"))
+                .env("AGENTLOOP_API_1", format!("127.0.0.1:{}", api_ports[0]))
+                .env("AGENTLOOP_API_2", format!("127.0.0.1:{}", api_ports[1]));
+            let mut lb = spawn_logged(test, "haproxy", cmd)?;
+            let deadline = std::time::Instant::now() + Duration::from_secs(3);
+            let bound = loop {
+                if lb.child.try_wait()?.is_some() {
+                    break false;
+                }
+                let up = |port: u16| std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+                if up(lb_port) && up(stats_port) {
+                    break true;
+                }
+                anyhow::ensure!(std::time::Instant::now() < deadline, "haproxy neither listened nor exited within 3 s");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            if bound {
+                break (lb, lb_port, stats_port);
+            }
+            anyhow::ensure!(attempt < 5, "haproxy could not bind its ports in 5 attempts (see haproxy.log)");
+        };
         let mut cluster = Self {
             test: test.to_owned(),
             db,
