@@ -597,6 +597,17 @@ impl PgCluster {
         self.ctl(&["restart"])
     }
 
+    /// Stops the server (fast shutdown: every connection is terminated; connects are refused
+    /// until [`PgCluster::start_again`]).
+    pub fn stop(&self) -> Result<()> {
+        self.ctl(&["stop"])
+    }
+
+    /// Starts the server stopped by [`PgCluster::stop`] again, on the same port.
+    pub fn start_again(&self) -> Result<()> {
+        self.ctl(&["start"])
+    }
+
     /// The cluster's directory: `data/`, the socket, and the server log `log`.
     pub fn dir(&self) -> &Path {
         &self.dir

@@ -259,6 +259,83 @@ impl Drop for SmallDisk {
     }
 }
 
+/// PostgreSQL stopped for several leases (connects refused, every session gone) while one run's
+/// model answer arrives and another run streams. The answer that arrived is paid for: the worker
+/// keeps it and writes it, fenced, once the server is back (`WORKER_OUTAGE_HOLD_MS`) instead of
+/// dropping it and paying the model again. The stream the lease watchdog stopped is handed back
+/// by its live worker (a release, not a crash recovery). Neither run counts a recovery or a
+/// fault. Before: the answer was dropped (2 model calls) and the stopped stream was recovered
+/// after its lease like a crashed worker's (`recoveries` 1, `faults` 1).
+#[tokio::test]
+async fn a_database_outage_longer_than_the_lease_keeps_the_paid_answer_and_counts_no_fault() {
+    let cluster = PgCluster::start().unwrap();
+    let options = StackOptions {
+        workers: 1,
+        server: Some(cluster.admin_url()),
+        worker_env: vec![
+            ("WORKER_LEASE_MS".into(), "3000".into()),
+            ("WORKER_RENEW_MS".into(), "1000".into()),
+            ("WORKER_CONCURRENCY".into(), "2".into()),
+        ],
+        ..Default::default()
+    };
+    let mut stack = Stack::start("db_outage_hold", options).await.unwrap();
+    let c = stack.client();
+    let held_text = "the answer that arrived while the database was down";
+    let answered = c.create_thread().await.unwrap();
+    let answered_turn = script(json!([{"text": held_text, "delayMs": 1200}]));
+    let marker = answered_turn.split_whitespace().nth(1).unwrap().to_owned();
+    let answered_run = c
+        .chat(&answered, &answered_turn)
+        .await
+        .unwrap()["run"]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let streaming = c.create_thread().await.unwrap();
+    let streaming_run = c
+        .chat(&streaming, &script(json!([{"text": "one two three four five six seven eight", "chunkDelayMs": 1000}])))
+        .await
+        .unwrap()["run"]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // Both slices under way (their model calls sent), then the server goes away for 8 s:
+    // beyond the 3 s lease, and the first answer arrives ~1 s into it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stack.mock.requests().await.unwrap().len() < 2 {
+        assert!(Instant::now() < deadline, "the model calls did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.stop().unwrap();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    cluster.start_again().unwrap();
+
+    for run in [&answered_run, &streaming_run] {
+        let run = c.wait_terminal(run, Duration::from_secs(60)).await.unwrap();
+        assert_eq!(run["status"], "completed", "{run}");
+    }
+    assert!(stack.workers[0].child.try_wait().unwrap().is_none(), "the worker exited");
+    let requests = stack.mock.requests().await.unwrap();
+    let calls = requests.iter().filter(|r| r.to_string().contains(&marker)).count();
+    assert_eq!(calls, 1, "the answer that arrived during the outage was paid once, not dropped and paid again");
+    let db = stack.db.client().await.unwrap();
+    let answers: i64 = db
+        .query_one("SELECT count(*) FROM messages WHERE role = 'assistant' AND content::text LIKE '%' || $1 || '%'", &[&held_text])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(answers, 1, "the held answer is written exactly once");
+    for (name, run) in [("answered", &answered_run), ("streaming", &streaming_run)] {
+        let row = db
+            .query_one("SELECT recoveries, faults FROM runs WHERE id = $1::text::uuid", &[run])
+            .await
+            .unwrap();
+        let (recoveries, faults): (i32, i32) = (row.get(0), row.get(1));
+        assert_eq!((recoveries, faults), (0, 0), "{name} run: an outage is no crash and not the run's fault");
+    }
+}
+
 /// SQLSTATE 53100 (`disk_full`): the filesystem of the database's tables fills up for longer
 /// than the lease while runs stream, checkpoint tool steps and wait in the queue. Injected for
 /// real: every table and index of the test database lives in a tablespace on a 64 MB tmpfs (the

@@ -24,8 +24,14 @@ pub enum AbortReason {
     Cancel,
     /// Worker shutdown: hand the run back (`queued`).
     Shutdown,
-    /// The lease is gone (or could not be confirmed in time): write nothing more.
+    /// The lease is gone (a renewal or a step found another fencing token): write nothing more.
     LeaseLost,
+    /// The lease could not be confirmed for `lease - renew` (renewals failed or hung: the
+    /// database is away, or this worker is cut off from it): stop before another worker may
+    /// claim the run, then hand it back with a fenced write if the lease still holds — an
+    /// outage is not the run's fault (`SliceEnd::Handback { fault: false }`; counted ten to a
+    /// fault, migration 000023).
+    Unconfirmed,
 }
 
 struct State {
@@ -203,7 +209,7 @@ pub async fn keeper(store: Store, owner: String, lease: Duration, renew: Duratio
                 tracing::warn!(run.id = %id, since_ms = control.confirmed().elapsed().as_millis() as u64,
                                "watchdog: lease not confirmed for lease - renew; stopping the slice");
                 metrics::counter!("agentloop_lease_lost_total").increment(1);
-                control.abort(AbortReason::LeaseLost);
+                control.abort(AbortReason::Unconfirmed);
             }
         }
     }

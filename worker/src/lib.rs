@@ -65,6 +65,13 @@ pub struct WorkerConfig {
     #[arg(long, env = "WORKER_CLAIM_STARTS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(0..=32))]
     pub claim_starts: u32,
 
+    /// How long in ms a slice keeps a paid model answer it could not checkpoint because the
+    /// database was away (an outage: connections refused or lost, shutdown, disk full), trying
+    /// the same fenced commit every second; 0 keeps it only as long as the lease. Memory: at
+    /// most one answer per slot (`WORKER_CONCURRENCY`).
+    #[arg(long, env = "WORKER_OUTAGE_HOLD_MS", default_value = "300000", value_parser = parse_millis)]
+    pub outage_hold: Duration,
+
     /// Idle safety poll in ms (covers a missed notification; no other periodic queue query).
     #[arg(long, env = "WORKER_SAFETY_POLL_MS", default_value = "60000", value_parser = parse_millis)]
     pub safety_poll: Duration,

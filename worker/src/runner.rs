@@ -112,6 +112,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         renew: config.renew,
         tool_call_limit: config.tool_call_limit,
         max_recoveries: config.max_recoveries,
+        outage_hold: config.outage_hold,
         approval_timeout: config.approval_timeout,
         schema_tokens_cache: std::sync::Mutex::new(None),
         titles: crate::title::Titles::default(),

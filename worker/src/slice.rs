@@ -53,6 +53,8 @@ pub struct SliceEnv {
     pub tool_call_limit: u32,
     /// Consecutive faulted attempts after which a run fails `abandoned`.
     pub max_recoveries: i32,
+    /// How long a paid answer is kept through a database outage (`WORKER_OUTAGE_HOLD_MS`).
+    pub outage_hold: Duration,
     /// Decision deadline of a tool approval (SPEC: 24 h by default).
     pub approval_timeout: Duration,
     /// Tokens of the last tool-schema set seen (tokenizing schemas costs milliseconds; the set
@@ -139,7 +141,9 @@ impl Slice {
         let ends = commit.end.is_some();
         let deadline = self.control.confirmed() + self.env.lease.saturating_sub(self.env.renew / 2);
         let started = Instant::now();
-        let result = step::commit(&self.env.store, &self.lease, self.step_id, &commit, deadline).await;
+        // A paid answer is held through an outage (the write is fenced, see step::commit).
+        let hold = (!commit.messages.is_empty()).then(|| started + self.env.outage_hold);
+        let result = step::commit(&self.env.store, &self.lease, self.step_id, &commit, deadline, hold).await;
         metrics::histogram!("agentloop_commit_duration_seconds").record(started.elapsed().as_secs_f64());
         match result? {
             Some(done) => {
@@ -221,6 +225,8 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_
             Err(SliceError::Aborted) => match control.reason() {
                 Some(AbortReason::Cancel) => Some(SliceEnd::Cancelled { keep_streamed: false }),
                 Some(AbortReason::Shutdown) => Some(SliceEnd::Interrupted),
+                // Fenced: written only if no other worker took the run meanwhile.
+                Some(AbortReason::Unconfirmed) => Some(SliceEnd::Handback { fault: false }),
                 Some(AbortReason::LeaseLost) | None => None,
             },
             Err(SliceError::LeaseLost) => None,

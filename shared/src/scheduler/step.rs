@@ -297,7 +297,22 @@ pub struct Identity {
 /// Applies `commit` for the leased run (step `step_id`, when the step row exists). `None` when
 /// the lease is gone (nothing was written). Retries transient faults and unknown outcomes
 /// (with the same commit id) until `deadline`.
-pub async fn commit(store: &Store, lease: &Lease, step_id: Option<i64>, commit: &Commit, deadline: Instant) -> Result<Option<Committed>, StoreError> {
+///
+/// `hold`: for a commit that carries a paid model answer, the latest instant to keep retrying
+/// it through a database outage ([`StoreError::Outage`]) past `deadline`, every 1 s. Safe
+/// because the write is fenced (owner + fencing token, not the lease's expiry): when the
+/// database is back, the answer is saved if no other worker took the run meanwhile, else the
+/// fence answers `None`. The same commit id is sent every time, so an attempt whose outcome
+/// was unknown is found, not applied twice. Faults other than an outage are not held (a commit
+/// that fails on its own keeps the lease's deadline, so a poison run still ends).
+pub async fn commit(
+    store: &Store,
+    lease: &Lease,
+    step_id: Option<i64>,
+    commit: &Commit,
+    deadline: Instant,
+    hold: Option<Instant>,
+) -> Result<Option<Committed>, StoreError> {
     let mut arg = serde_json::to_value(commit).map_err(|e| StoreError::Deterministic { sqlstate: "XX000".into(), message: e.to_string() })?;
     let fence = lease.fence_json();
     if let (Some(obj), Value::Object(f)) = (arg.as_object_mut(), fence) {
@@ -305,7 +320,18 @@ pub async fn commit(store: &Store, lease: &Lease, step_id: Option<i64>, commit: 
         obj.insert("commitId".into(), json!(Uuid::new_v4()));
         obj.insert("stepId".into(), json!(step_id));
     }
-    let value = store.call("agentloop_commit", &arg, Replay::Safe, Some(deadline)).await?;
+    let mut deadline = deadline;
+    let value = loop {
+        match store.call("agentloop_commit", &arg, Replay::Safe, Some(deadline)).await {
+            Err(StoreError::Outage(message)) if hold.is_some_and(|h| Instant::now() + OUTAGE_RETRY < h) => {
+                tracing::warn!(run.id = %lease.run_id, error = %message, "database outage: holding the paid answer until it can be written");
+                metrics::counter!("agentloop_commits_held_total").increment(1);
+                tokio::time::sleep(OUTAGE_RETRY).await;
+                deadline = Instant::now() + OUTAGE_RETRY;
+            }
+            result => break result?,
+        }
+    };
     if value.get("lost").and_then(Value::as_bool) == Some(true) {
         return Ok(None);
     }
@@ -319,6 +345,9 @@ pub async fn commit(store: &Store, lease: &Lease, step_id: Option<i64>, commit: 
     }
     decode(value).map(Some)
 }
+
+/// How often a held commit is tried again while the database is away ([`commit`]'s `hold`).
+const OUTAGE_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// One slice's streaming progress since its last flush.
 #[derive(Debug, Clone, Serialize)]
