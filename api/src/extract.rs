@@ -294,3 +294,17 @@ mod tests {
         assert_eq!(client_ip(&req, 2), Some("6.6.6.6".parse().unwrap()));
     }
 }
+
+/// A keyset cursor `<µs since the epoch>_<uuid>`: the position of the last item of a page
+/// ordered by a timestamp, then id, as `nextCursor` of the threads list and of a webhook's
+/// deliveries gives it. Errors: 400 `invalid_cursor` when malformed, or when its time is outside
+/// years 1..=9999 (what PostgreSQL's `timestamptz` holds; beyond it was a 500).
+pub(crate) fn keyset_cursor(cursor: &str) -> Result<(chrono::DateTime<chrono::Utc>, uuid::Uuid), ApiError> {
+    let parse = || {
+        let (at, id) = cursor.split_once('_')?;
+        let micros: i64 = at.parse().ok()?;
+        let at = chrono::DateTime::from_timestamp_micros(micros).filter(|t| (1..=9999).contains(&chrono::Datelike::year(t)))?;
+        Some((at, uuid::Uuid::parse_str(id).ok()?))
+    };
+    parse().ok_or_else(|| ApiError::bad_request("invalid_cursor", "cursor is malformed"))
+}

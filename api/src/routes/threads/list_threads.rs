@@ -2,7 +2,6 @@
 
 use actix_web::{HttpResponse, web};
 use agentloop_shared::{messages, runs, threads};
-use chrono::{DateTime, Utc};
 use serde::Deserialize;
 use serde_json::json;
 use uuid::Uuid;
@@ -22,17 +21,6 @@ pub struct ListQuery {
     /// `nextCursor` of the previous page.
     #[param(max_length = 200)]
     pub cursor: Option<String>,
-}
-
-/// A keyset cursor `<µs since the epoch>_<uuid>` (the position of the last item of a page
-/// ordered by a timestamp, then id), as `nextCursor` of this list and of a webhook's deliveries
-/// gives it; `None` when malformed.
-pub(crate) fn parse_cursor(cursor: &str) -> Option<(DateTime<Utc>, Uuid)> {
-    let (at, id) = cursor.split_once('_')?;
-    let micros: i64 = at.parse().ok()?;
-    // Years 1..=9999: inside what PostgreSQL's timestamptz holds (a cursor beyond it was a 500).
-    let at = DateTime::from_timestamp_micros(micros).filter(|t| (1..=9999).contains(&chrono::Datelike::year(t)))?;
-    Some((at, Uuid::parse_str(id).ok()?))
 }
 
 /// Thread summaries, most recently updated first: id, title, model, authoritative
@@ -55,7 +43,7 @@ pub async fn list_threads(
 pub async fn page(state: &AppState, principal: Uuid, limit: Option<i64>, cursor: Option<&str>) -> Result<serde_json::Value, ApiError> {
     let limit = limit.unwrap_or(50).clamp(1, 100);
     let before = match cursor {
-        Some(c) => Some(parse_cursor(c).ok_or_else(|| ApiError::bad_request("invalid_cursor", "cursor is malformed"))?),
+        Some(c) => Some(crate::extract::keyset_cursor(c)?),
         None => None,
     };
     let mut conn = state.pool.get().await?;

@@ -59,8 +59,7 @@ pub async fn list_deliveries(
     }
     arg["limit"] = limit.into();
     if let Some(cursor) = query.cursor.as_deref() {
-        let (at, id) = crate::routes::threads::list_threads::parse_cursor(cursor)
-            .ok_or_else(|| ApiError::bad_request("invalid_cursor", "cursor is malformed"))?;
+        let (at, id) = crate::extract::keyset_cursor(cursor)?;
         arg["before"] = json!({"atMicros": at.timestamp_micros(), "id": id});
     }
     let mut conn = state.pool.get().await?;
