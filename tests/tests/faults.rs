@@ -260,12 +260,13 @@ impl Drop for SmallDisk {
 }
 
 /// PostgreSQL stopped for several leases (connects refused, every session gone) while one run's
-/// model answer arrives and another run streams. The answer that arrived is paid for: the worker
-/// keeps it and writes it, fenced, once the server is back (`WORKER_OUTAGE_HOLD_MS`) instead of
-/// dropping it and paying the model again. The stream the lease watchdog stopped is handed back
-/// by its live worker (a release, not a crash recovery). Neither run counts a recovery or a
-/// fault. Before: the answer was dropped (2 model calls) and the stopped stream was recovered
-/// after its lease like a crashed worker's (`recoveries` 1, `faults` 1).
+/// model answer arrives and another run streams through the whole outage. Model calls need no
+/// database: the stream goes on although the lease watchdog stopped the slice's effects, and
+/// both answers — paid for — are kept and written, fenced, once the server is back
+/// (`WORKER_OUTAGE_HOLD_MS`), then the runs complete. Each model call is paid once; neither run
+/// counts a recovery or a fault. Before: the answer was dropped and paid again, the stream was
+/// cut by the watchdog and recovered after its lease like a crashed worker's (`recoveries` 1,
+/// `faults` 1).
 #[tokio::test]
 async fn a_database_outage_longer_than_the_lease_keeps_the_paid_answer_and_counts_no_fault() {
     let cluster = PgCluster::start().unwrap();
@@ -293,8 +294,10 @@ async fn a_database_outage_longer_than_the_lease_keeps_the_paid_answer_and_count
         .unwrap()
         .to_owned();
     let streaming = c.create_thread().await.unwrap();
+    let streaming_turn = script(json!([{"text": "one two three four five six seven eight", "chunkDelayMs": 1000}]));
+    let streaming_marker = streaming_turn.split_whitespace().nth(1).unwrap().to_owned();
     let streaming_run = c
-        .chat(&streaming, &script(json!([{"text": "one two three four five six seven eight", "chunkDelayMs": 1000}])))
+        .chat(&streaming, &streaming_turn)
         .await
         .unwrap()["run"]["id"]
         .as_str()
@@ -317,8 +320,9 @@ async fn a_database_outage_longer_than_the_lease_keeps_the_paid_answer_and_count
     }
     assert!(stack.workers[0].child.try_wait().unwrap().is_none(), "the worker exited");
     let requests = stack.mock.requests().await.unwrap();
-    let calls = requests.iter().filter(|r| r.to_string().contains(&marker)).count();
-    assert_eq!(calls, 1, "the answer that arrived during the outage was paid once, not dropped and paid again");
+    let calls = |marker: &str| requests.iter().filter(|r| r.to_string().contains(marker)).count();
+    assert_eq!(calls(&marker), 1, "the answer that arrived during the outage was paid once, not dropped and paid again");
+    assert_eq!(calls(&streaming_marker), 1, "the stream went on through the outage and was paid once");
     let db = stack.db.client().await.unwrap();
     let answers: i64 = db
         .query_one("SELECT count(*) FROM messages WHERE role = 'assistant' AND content::text LIKE '%' || $1 || '%'", &[&held_text])

@@ -566,6 +566,10 @@ async fn the_claim_timer_counts_the_callers_own_runs_it_no_longer_executes() {
     let ms = idle["nextExpiryMs"].as_i64().unwrap_or_else(|| panic!("no timer for the worker's own idle run: {idle}"));
     assert!((0..=3000).contains(&ms), "{idle}");
     tokio::time::sleep(Duration::from_millis(ms as u64 + 100)).await;
+    // Expired, but still executed by the caller (a slice holding a paid answer through an
+    // outage outlives its lease): never claimed by its own worker (migration 000026).
+    let held = store.call("agentloop_claim", &claim(json!([run])), Replay::Safe, None).await.unwrap();
+    assert_eq!(held["runs"], json!([]), "a worker does not recover the run it still executes: {held}");
     let again = store.call("agentloop_claim", &claim(json!([])), Replay::Safe, None).await.unwrap();
     assert_eq!(again["runs"][0]["id"], run.as_str(), "claimed back once its lease expired: {again}");
     assert_eq!(again["runs"][0]["recoveries"], 1);

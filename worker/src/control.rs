@@ -50,9 +50,10 @@ pub struct SliceControl {
     /// Cancelled by every abort but a shutdown: a call with external effects in flight is let
     /// finish on shutdown (its outcome is then known and committed), within the grace period.
     effects: CancellationToken,
-    /// Cancelled by every abort but a shutdown, and by [`SliceControl::stop_model_calls`] when
-    /// the shutdown grace period runs short: a model call in flight at SIGTERM is let finish and
-    /// its answer checkpointed (it is paid for), instead of being dropped and paid again.
+    /// Cancelled by a cancellation or a lost lease, and by [`SliceControl::stop_model_calls`]
+    /// when the shutdown grace period runs short: a model call in flight at SIGTERM, or when the
+    /// lease cannot be confirmed, is let finish and its answer checkpointed (it is paid for),
+    /// instead of being dropped and paid again.
     model: CancellationToken,
     state: Arc<Mutex<State>>,
 }
@@ -78,6 +79,11 @@ impl SliceControl {
         }
         if reason != AbortReason::Shutdown {
             self.effects.cancel();
+        }
+        // A model call needs no database: one in flight when the lease cannot be confirmed
+        // (the database away) is let finish — it is paid for, and its fenced checkpoint is held
+        // through the outage (`step::commit`'s hold). Only a cancellation or a lost lease drop it.
+        if !matches!(reason, AbortReason::Shutdown | AbortReason::Unconfirmed) {
             self.model.cancel();
         }
         self.token.cancel();
@@ -94,7 +100,7 @@ impl SliceControl {
         self.effects.is_cancelled()
     }
 
-    /// Resolves when a model call in flight must be dropped: any abort but a shutdown, or
+    /// Resolves when a model call in flight must be dropped: a cancellation, a lost lease, or
     /// [`SliceControl::stop_model_calls`].
     pub async fn model_call_stopped(&self) {
         self.model.cancelled().await

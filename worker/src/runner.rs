@@ -287,9 +287,14 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                         in_flight.lock().expect("in-flight lock").insert(run.id, control.clone());
                         let (env, in_flight) = (env.clone(), in_flight.clone());
                         slices.spawn(async move {
-                            let id = run.id;
+                            let (id, epoch) = (run.id, run.lease_epoch);
                             let released = slice::execute(env, run, control, claim_start).await;
-                            in_flight.lock().expect("in-flight lock").remove(&id);
+                            // Only this slice's entry: a newer slice of the same run (claimed by
+                            // this worker again after the lease expired) must stay renewed.
+                            let mut in_flight = in_flight.lock().expect("in-flight lock");
+                            if in_flight.get(&id).is_some_and(|c| c.epoch == epoch) {
+                                in_flight.remove(&id);
+                            }
                             released
                         });
                     }
