@@ -1,13 +1,20 @@
--- A worker never claims a run it still executes (issue 9). Since a slice whose lease cannot be
--- confirmed (the database away) lets its model call finish and holds its paid answer until the
--- server is back (worker: AbortReason::Unconfirmed, step::commit's hold), such a slice outlives
--- its lease. Its own worker's first claim after the outage took the run as an expired lease —
--- a recovery and a fault, the held answer refused by the fence and paid again — and, the
--- worker tracking its slices by run id, the old slice's end then dropped the new slice from the
--- lease keeper: its lease expired, the worker claimed it again, and a run ended `abandoned`
--- after six such rounds (durable_a_read_only_database_pauses_runs_and_fails_none). The claim now
--- skips the runs the caller names in flight (`p.inflight`): their slice hands them back, or
--- another worker recovers them once their lease has expired. As in 000023 otherwise.
+-- After a database outage, claims leave runs to the workers that still execute them (issue 9).
+-- Since a slice whose lease cannot be confirmed (the database away) lets its model call finish
+-- and holds its paid answer until the server is back (worker: AbortReason::Unconfirmed,
+-- step::commit's hold), such a slice outlives its lease, and every lease has expired when the
+-- server comes back.
+-- 1. A worker never claims a run it names in flight (`p.inflight`). Its first claim after the
+--    outage took it as an expired lease — a recovery and a fault, the held answer refused by the
+--    fence and paid again — and, the worker tracking its slices by run id, the old slice's end
+--    then dropped the new slice from the lease keeper: its lease expired, the worker claimed it
+--    again, and a run ended `abandoned` after six such rounds
+--    (durable_a_read_only_database_pauses_runs_and_fails_none).
+-- 2. `p.spareMs`: for one lease after its own outage ended, a worker leaves `running` runs whose
+--    lease expired less than spareMs ago (the outage and one lease before it; worker
+--    control::Outages): their owners renew, write or release them; a run whose owner died is
+--    recovered one lease later than usual. The recovery timer then counts only the runs it
+--    could claim (the worker wakes itself when the window ends).
+-- As in 000023 otherwise.
 CREATE OR REPLACE FUNCTION agentloop_claim(p jsonb) RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
@@ -15,6 +22,7 @@ DECLARE
     v_lease interval := make_interval(secs => (p ->> 'leaseMs')::bigint / 1000.0);
     v_inflight uuid[] := coalesce((SELECT array_agg(x::uuid) FROM jsonb_array_elements_text(p -> 'inflight') x), '{}');
     v_released uuid[] := coalesce((SELECT array_agg((x ->> 'runId')::uuid) FROM jsonb_array_elements(p -> 'released') x), '{}');
+    v_spare interval := make_interval(secs => coalesce((p ->> 'spareMs')::bigint, 0) / 1000.0);
     v_adopted jsonb;
     v_claimed jsonb;
     v_fresh uuid[];
@@ -62,8 +70,8 @@ BEGIN
     v_n := greatest((p ->> 'limit')::int - jsonb_array_length(v_adopted), 0);
     WITH c AS (
         SELECT id, status AS prior FROM runs
-         WHERE status IN ('queued', 'running') AND (status = 'queued' OR lease_expires_at < now())
-           -- Never a run the caller still executes (see the header).
+         WHERE status IN ('queued', 'running') AND (status = 'queued' OR lease_expires_at < now() - v_spare)
+           -- Never a run the caller still executes (1. above).
            AND NOT (id = ANY(v_inflight))
          ORDER BY seq LIMIT v_n
            FOR UPDATE SKIP LOCKED
@@ -96,7 +104,9 @@ BEGIN
         -- runs it does not execute (in flight, adopted or claimed now, it renews them).
         'nextExpiryMs', (SELECT (extract(epoch FROM (min(lease_expires_at) - now())) * 1000)::bigint
                            FROM runs WHERE status IN ('queued', 'running') AND status = 'running'
-                            AND NOT (lease_owner IS NOT DISTINCT FROM v_owner AND id = ANY(v_mine))),
+                            AND NOT (lease_owner IS NOT DISTINCT FROM v_owner AND id = ANY(v_mine))
+                            -- Spared runs (2. above) are not due before the window ends.
+                            AND (v_spare = interval '0' OR lease_expires_at < now() - v_spare)),
         'queuedLeft', EXISTS (SELECT 1 FROM runs WHERE status IN ('queued', 'running') AND status = 'queued'));
 END $$;
 

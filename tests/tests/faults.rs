@@ -269,9 +269,23 @@ impl Drop for SmallDisk {
 /// `faults` 1).
 #[tokio::test]
 async fn a_database_outage_longer_than_the_lease_keeps_the_paid_answer_and_counts_no_fault() {
+    survive_an_outage("db_outage_hold", 1).await;
+}
+
+/// The same with two workers, each executing two of the runs: when the server is back, every
+/// lease has expired, and the worker whose calls succeed first must not take the other's runs as
+/// recoveries (it did: a fault, and the held answer refused by the fence and paid again). For one
+/// lease after its own outage, a worker's claims spare the runs whose lease expired meanwhile.
+#[tokio::test]
+async fn after_a_database_outage_no_worker_takes_the_runs_another_still_holds() {
+    survive_an_outage("db_outage_two_workers", 2).await;
+}
+
+/// Per worker: one run whose answer arrives ~1 s into an 8 s outage, one that streams through it.
+async fn survive_an_outage(name: &str, workers: usize) {
     let cluster = PgCluster::start().unwrap();
     let options = StackOptions {
-        workers: 1,
+        workers,
         server: Some(cluster.admin_url()),
         worker_env: vec![
             ("WORKER_LEASE_MS".into(), "3000".into()),
@@ -280,33 +294,28 @@ async fn a_database_outage_longer_than_the_lease_keeps_the_paid_answer_and_count
         ],
         ..Default::default()
     };
-    let mut stack = Stack::start("db_outage_hold", options).await.unwrap();
+    let mut stack = Stack::start(name, options).await.unwrap();
     let c = stack.client();
-    let held_text = "the answer that arrived while the database was down";
-    let answered = c.create_thread().await.unwrap();
-    let answered_turn = script(json!([{"text": held_text, "delayMs": 1200}]));
-    let marker = answered_turn.split_whitespace().nth(1).unwrap().to_owned();
-    let answered_run = c
-        .chat(&answered, &answered_turn)
-        .await
-        .unwrap()["run"]["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let streaming = c.create_thread().await.unwrap();
-    let streaming_turn = script(json!([{"text": "one two three four five six seven eight", "chunkDelayMs": 1000}]));
-    let streaming_marker = streaming_turn.split_whitespace().nth(1).unwrap().to_owned();
-    let streaming_run = c
-        .chat(&streaming, &streaming_turn)
-        .await
-        .unwrap()["run"]["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    // Both slices under way (their model calls sent), then the server goes away for 8 s:
-    // beyond the 3 s lease, and the first answer arrives ~1 s into it.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while stack.mock.requests().await.unwrap().len() < 2 {
+    // (run id, marker of its turn, the answer it must end with)
+    let mut runs = Vec::new();
+    for i in 0..workers {
+        for (text, step) in [
+            (format!("answer {i} that arrived while the database was down"), json!({"delayMs": 1200})),
+            (format!("stream {i} one two three four five six seven eight"), json!({"chunkDelayMs": 1000})),
+        ] {
+            let mut step = step;
+            step["text"] = json!(text);
+            let turn = script(json!([step]));
+            let marker = turn.split_whitespace().nth(1).unwrap().to_owned();
+            let thread = c.create_thread().await.unwrap();
+            let run = c.chat(&thread, &turn).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+            runs.push((run, marker, text));
+        }
+    }
+    // Every slice under way (its model call sent), then the server goes away for 8 s: beyond
+    // the 3 s lease; the first answers arrive ~1 s into it.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while stack.mock.requests().await.unwrap().len() < runs.len() {
         assert!(Instant::now() < deadline, "the model calls did not start");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -314,29 +323,27 @@ async fn a_database_outage_longer_than_the_lease_keeps_the_paid_answer_and_count
     tokio::time::sleep(Duration::from_secs(8)).await;
     cluster.start_again().unwrap();
 
-    for run in [&answered_run, &streaming_run] {
+    for (run, ..) in &runs {
         let run = c.wait_terminal(run, Duration::from_secs(60)).await.unwrap();
         assert_eq!(run["status"], "completed", "{run}");
     }
-    assert!(stack.workers[0].child.try_wait().unwrap().is_none(), "the worker exited");
+    for w in stack.workers.iter_mut() {
+        assert!(w.child.try_wait().unwrap().is_none(), "{} exited", w.name);
+    }
     let requests = stack.mock.requests().await.unwrap();
-    let calls = |marker: &str| requests.iter().filter(|r| r.to_string().contains(marker)).count();
-    assert_eq!(calls(&marker), 1, "the answer that arrived during the outage was paid once, not dropped and paid again");
-    assert_eq!(calls(&streaming_marker), 1, "the stream went on through the outage and was paid once");
     let db = stack.db.client().await.unwrap();
-    let answers: i64 = db
-        .query_one("SELECT count(*) FROM messages WHERE role = 'assistant' AND content::text LIKE '%' || $1 || '%'", &[&held_text])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(answers, 1, "the held answer is written exactly once");
-    for (name, run) in [("answered", &answered_run), ("streaming", &streaming_run)] {
-        let row = db
-            .query_one("SELECT recoveries, faults FROM runs WHERE id = $1::text::uuid", &[run])
+    for (run, marker, text) in &runs {
+        let calls = requests.iter().filter(|r| r.to_string().contains(marker.as_str())).count();
+        assert_eq!(calls, 1, "{text}: paid once, not dropped and paid again");
+        let answers: i64 = db
+            .query_one("SELECT count(*) FROM messages WHERE role = 'assistant' AND content::text LIKE '%' || $1 || '%'", &[text])
             .await
-            .unwrap();
+            .unwrap()
+            .get(0);
+        assert_eq!(answers, 1, "{text}: written exactly once");
+        let row = db.query_one("SELECT recoveries, faults FROM runs WHERE id = $1::text::uuid", &[run]).await.unwrap();
         let (recoveries, faults): (i32, i32) = (row.get(0), row.get(1));
-        assert_eq!((recoveries, faults), (0, 0), "{name} run: an outage is no crash and not the run's fault");
+        assert_eq!((recoveries, faults), (0, 0), "{text}: an outage is no crash and not the run's fault");
     }
 }
 

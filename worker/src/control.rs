@@ -160,10 +160,62 @@ impl SliceControl {
 /// The slices this process executes, by run id.
 pub type InFlight = Arc<Mutex<HashMap<Uuid, SliceControl>>>;
 
+/// This worker's view of database outages, shared by the claim loop and the lease keeper: when
+/// its calls started failing, and for how long after they succeeded again its claims spare the
+/// runs whose lease expired meanwhile.
+///
+/// After an outage every lease has expired, but their owners are mostly alive: a slice holds its
+/// paid answer or streams on, a slice that could not write its end is named in its worker's next
+/// claim. A worker that came out of the outage first would otherwise take those runs as
+/// recoveries (a fault each, the held answer refused by the fence and paid again). So for one
+/// lease after its own outage ended, a worker's claims leave running runs whose lease expired
+/// from one lease before the outage began (`spareMs`, migration 000026); their owners renew,
+/// write or hand them back, and a run whose owner died is recovered one lease later than usual.
+#[derive(Clone, Default)]
+pub struct Outages(Arc<Mutex<OutageState>>);
+
+#[derive(Default)]
+struct OutageState {
+    failing_since: Option<Instant>,
+    /// The last outage: when it began and until when claims spare.
+    spare: Option<(Instant, Instant)>,
+}
+
+impl Outages {
+    /// A database call sent at `sent` failed for want of the database.
+    pub fn failed(&self, sent: Instant) {
+        let mut state = self.0.lock().expect("outage state");
+        state.failing_since = Some(state.failing_since.map_or(sent, |since| since.min(sent)));
+    }
+
+    /// A database call succeeded: an outage in progress ended now; claims spare for `lease`.
+    pub fn succeeded(&self, lease: Duration) {
+        let mut state = self.0.lock().expect("outage state");
+        if let Some(since) = state.failing_since.take() {
+            state.spare = Some((since, Instant::now() + lease));
+        }
+    }
+
+    /// What a claim sent now spares: runs whose lease expired less than this long ago (the
+    /// outage and one lease before it), and when that ends; `None` outside a spare window. An
+    /// outage not yet seen to end counts as ending now (the claim may be the first call that
+    /// succeeds).
+    pub fn spare(&self, lease: Duration) -> Option<(Duration, Instant)> {
+        let state = self.0.lock().expect("outage state");
+        let now = Instant::now();
+        let (since, until) = match (state.failing_since, state.spare) {
+            (Some(since), _) => (since, now + lease),
+            (None, Some(window)) => window,
+            (None, None) => return None,
+        };
+        (now < until).then(|| (now.saturating_duration_since(since) + lease, until))
+    }
+}
+
 /// The lease keeper: every `renew`, renews all leases in `in_flight` in one statement on
 /// `store` (a dedicated one-connection store); applies the answers; aborts slices whose lease
 /// was not confirmed for `lease - renew`. Runs until `stop`.
-pub async fn keeper(store: Store, owner: String, lease: Duration, renew: Duration, in_flight: InFlight, stop: CancellationToken) {
+pub async fn keeper(store: Store, owner: String, lease: Duration, renew: Duration, in_flight: InFlight, outages: Outages, stop: CancellationToken) {
     let watchdog = lease.saturating_sub(renew);
     let mut tick = tokio::time::interval(renew);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -179,9 +231,11 @@ pub async fn keeper(store: Store, owner: String, lease: Duration, renew: Duratio
         }
         let leases: Vec<(Uuid, i64)> = slices.iter().map(|(id, c)| (*id, c.epoch)).collect();
         // Bounded, so the watchdog below runs every tick even when the database hangs.
+        let sent = Instant::now();
         let renewal = tokio::time::timeout(renew, scheduler::lease::renew(&store, &owner, lease, &leases)).await;
         match renewal.unwrap_or_else(|_| Err(agentloop_shared::store::StoreError::Unavailable("renewal timed out".into()))) {
             Ok(answers) => {
+                outages.succeeded(lease);
                 for (id, control) in &slices {
                     match answers.get(id) {
                         Some(Renewal::Ok) => control.confirm(),
@@ -200,6 +254,7 @@ pub async fn keeper(store: Store, owner: String, lease: Duration, renew: Duratio
                 }
             }
             Err(error) => {
+                outages.failed(sent);
                 tracing::warn!(%error, "lease renewal failed");
                 metrics::counter!("agentloop_lease_renew_failures_total").increment(1);
             }

@@ -127,12 +127,14 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     tracing::info!(worker.id = %worker_id, concurrency = config.concurrency, pool = config.db.db_pool_size, "worker started");
 
     let in_flight: InFlight = Arc::default();
+    let outages = control::Outages::default();
     let _keeper = AbortOnDropHandle::new(tokio::spawn(control::keeper(
         keeper_store,
         worker_id.clone(),
         config.lease,
         config.renew,
         in_flight.clone(),
+        outages.clone(),
         stop.clone(),
     )));
     tokio::spawn(crate::maintenance::run(
@@ -259,9 +261,11 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
             let spare = !adopt_next && last_pass.is_none_or(|(ended, took): (Instant, Duration)| ended.elapsed() >= took);
             let start = (config.claim_starts > 0 && spare).then(|| claim_start_options(&env, config.claim_starts as usize, config.max_recoveries));
             let naming: Vec<scheduler::Released> = released.iter().map(|(r, _)| *r).collect();
-            match scheduler::claim(&store, &worker_id, free, config.lease, &inflight, &naming, adopt_next, start.as_ref()).await {
+            let spared = outages.spare(config.lease);
+            match scheduler::claim(&store, &worker_id, free, config.lease, &inflight, &naming, adopt_next, start.as_ref(), spared.map(|(d, _)| d)).await {
                 Ok(claimed) => {
                     adopt_next = false;
+                    outages.succeeded(config.lease);
                     // Taken back, or no longer this worker's to take (claimed meanwhile, ended),
                     // or named often enough: its lease expires and any worker recovers it.
                     released.retain_mut(|(r, passes)| {
@@ -274,6 +278,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                     next_timer = claimed.next_expiry_ms.map_or(config.safety_poll, |ms| {
                         Duration::from_millis(ms.max(0) as u64 + 50).min(config.safety_poll)
                     });
+                    if let Some((_, until)) = spared {
+                        // The spared runs become claimable when the window ends.
+                        next_timer = next_timer.min(until.saturating_duration_since(Instant::now()) + Duration::from_millis(50));
+                    }
                     if claimed.queued_left {
                         // A queued run was locked by someone else's transaction: look again soon.
                         next_timer = next_timer.min(Duration::from_millis(100));
@@ -301,6 +309,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                 }
                 Err(error) => {
                     adopt_next = true;
+                    outages.failed(started);
                     tracing::warn!(%error, "claim pass failed; retrying");
                     // A lost answer is re-read at once (the next pass re-adopts what it claimed);
                     // a database that stayed away for the store's whole retry window, in a second.

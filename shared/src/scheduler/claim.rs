@@ -87,7 +87,10 @@ pub struct ModelStart {
 /// waits for its lease to expire (adopted runs are never started by
 /// the claim: their slices start them). With `start`, the claim also starts slices (see
 /// [`StartOptions`] and [`Claimed::starts`]). `released` runs (see [`Released`]) that are still
-/// `running` under `owner` with their epoch are taken back first, after adopted ones.
+/// `running` under `owner` with their epoch are taken back first, after adopted ones. Runs in
+/// `inflight` are never claimed (their slice still executes them). `spare`: leave `running`
+/// runs whose lease expired less than this long ago (the caller's last database outage and one
+/// lease before it: their owners are likely alive; see the worker's `control::Outages`).
 pub async fn claim(
     store: &Store,
     owner: &str,
@@ -97,9 +100,11 @@ pub async fn claim(
     released: &[Released],
     adopt: bool,
     start: Option<&StartOptions>,
+    spare: Option<Duration>,
 ) -> Result<Claimed, StoreError> {
     let arg = json!({"owner": owner, "limit": limit, "leaseMs": lease.as_millis() as u64, "inflight": inflight,
-                     "released": released, "adopt": adopt, "start": start});
+                     "released": released, "adopt": adopt, "start": start,
+                     "spareMs": spare.map(|d| d.as_millis() as u64)});
     // Not replayed by the store: the same argument sent again would not re-adopt what a lost
     // attempt claimed (those runs would wait for their lease to expire and count a fault). The
     // caller sends its next pass with `adopt` instead.
