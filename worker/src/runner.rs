@@ -262,7 +262,17 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
             let start = (config.claim_starts > 0 && spare).then(|| claim_start_options(&env, config.claim_starts as usize, config.max_recoveries));
             let naming: Vec<scheduler::Released> = released.iter().map(|(r, _)| *r).collect();
             let spared = outages.spare(config.lease);
-            match scheduler::claim(&store, &worker_id, free, config.lease, &inflight, &naming, adopt_next, start.as_ref(), spared.map(|(d, _)| d)).await {
+            let pass = scheduler::Pass {
+                owner: &worker_id,
+                limit: free,
+                lease: config.lease,
+                inflight: &inflight,
+                released: &naming,
+                adopt: adopt_next,
+                start: start.as_ref(),
+                spare: spared.map(|(d, _)| d),
+            };
+            match scheduler::claim(&store, &pass).await {
                 Ok(claimed) => {
                     adopt_next = false;
                     outages.succeeded(config.lease);

@@ -78,30 +78,43 @@ pub struct ModelStart {
     pub context_limit: Option<i64>,
 }
 
-/// Claims at most `limit` runs for `owner` under a lease of `lease` (database clock): `queued`
-/// runs and `running` runs whose lease expired (recovery needs no sweeper), in creation order,
-/// `FOR UPDATE SKIP LOCKED` via the partial index `runs_claimable`. With `adopt` (set after a
-/// claim that failed: its answer may have been lost), runs `owner` holds but does not list in
-/// `inflight` are re-adopted first; and a claim whose outcome is unknown
+/// One claim pass of a worker ([`claim`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Pass<'a> {
+    /// The worker's identity (`lease_owner`).
+    pub owner: &'a str,
+    /// Runs to claim at most (the worker's free slots).
+    pub limit: usize,
+    /// The lease each claimed run gets (database clock).
+    pub lease: Duration,
+    /// The runs the worker executes now: never claimed, adopted or counted by the timer.
+    pub inflight: &'a [Uuid],
+    /// Runs whose slice could not write its end ([`Released`]).
+    pub released: &'a [Released],
+    /// Re-adopt the runs the worker holds but does not list in `inflight` (after a failed pass).
+    pub adopt: bool,
+    /// Start slices in the same transaction ([`StartOptions`]).
+    pub start: Option<&'a StartOptions>,
+    /// Leave `running` runs whose lease expired less than this long ago (the worker's last
+    /// database outage and one lease before it: their owners are likely alive; see the worker's
+    /// `control::Outages`).
+    pub spare: Option<Duration>,
+}
+
+/// Claims at most `pass.limit` runs for `pass.owner` under a lease of `pass.lease` (database
+/// clock): `queued` runs and `running` runs whose lease expired (recovery needs no sweeper), in
+/// creation order, `FOR UPDATE SKIP LOCKED` via the partial index `runs_claimable`. With
+/// `adopt` (set after a claim that failed: its answer may have been lost), runs the owner holds
+/// but does not list in `inflight` are re-adopted first; and a claim whose outcome is unknown
 /// ([`StoreError::OutcomeUnknown`]) is sent again by the caller with `adopt`, so no claimed run
-/// waits for its lease to expire (adopted runs are never started by
-/// the claim: their slices start them). With `start`, the claim also starts slices (see
-/// [`StartOptions`] and [`Claimed::starts`]). `released` runs (see [`Released`]) that are still
-/// `running` under `owner` with their epoch are taken back first, after adopted ones. Runs in
-/// `inflight` are never claimed (their slice still executes them). `spare`: leave `running`
-/// runs whose lease expired less than this long ago (the caller's last database outage and one
-/// lease before it: their owners are likely alive; see the worker's `control::Outages`).
-pub async fn claim(
-    store: &Store,
-    owner: &str,
-    limit: usize,
-    lease: Duration,
-    inflight: &[Uuid],
-    released: &[Released],
-    adopt: bool,
-    start: Option<&StartOptions>,
-    spare: Option<Duration>,
-) -> Result<Claimed, StoreError> {
+/// waits for its lease to expire (adopted runs are never started by the claim: their slices
+/// start them). With `start`, the claim also starts slices (see [`StartOptions`] and
+/// [`Claimed::starts`]). `released` runs (see [`Released`]) that are still `running` under the
+/// owner with their epoch are taken back first, after adopted ones. Runs in `inflight` are
+/// never claimed (their slice still executes them); `spare` leaves recently expired ones
+/// (migration 000026).
+pub async fn claim(store: &Store, pass: &Pass<'_>) -> Result<Claimed, StoreError> {
+    let Pass { owner, limit, lease, inflight, released, adopt, start, spare } = *pass;
     let arg = json!({"owner": owner, "limit": limit, "leaseMs": lease.as_millis() as u64, "inflight": inflight,
                      "released": released, "adopt": adopt, "start": start,
                      "spareMs": spare.map(|d| d.as_millis() as u64)});

@@ -17,6 +17,6 @@ pub mod lease;
 pub mod listener;
 pub mod step;
 
-pub use claim::{Claimed, Released, claim};
+pub use claim::{Claimed, Pass, Released, claim};
 pub use lease::{Lease, LeaseLost, Renewal};
 pub use step::{Commit, Committed, SliceEnd, Started, Usage};
