@@ -122,6 +122,51 @@ async fn branches_are_listed_switched_and_never_rewrite_history() {
     assert_eq!(&after[..before.len()], &before[..], "no history row was rewritten (content, identity, time)");
 }
 
+/// A regenerate, then an edit of the question before it: the edit's fork (at the start) offers
+/// the original turn — question and current answer — and the regenerate's fork (after the
+/// question) comes back with it. Before (migration 000027), the edited turn's list offered the
+/// replaced answer instead: activating it showed a history starting with an assistant message,
+/// and the original question could no longer be reached.
+#[tokio::test]
+async fn a_regenerate_then_an_edit_of_its_question_keeps_both_turns_as_branches() {
+    let stack = Stack::start("ui_branches_nested", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    say(&c, &thread, "hello").await;
+    let r = c.post(&format!("/api/threads/{thread}/messages/2/regenerate"), json!({})).await.unwrap();
+    assert_eq!(r.status, 202, "{r:?}");
+    c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    let r = c.post(&format!("/api/threads/{thread}/messages/1/edit"), json!({"content": "edited"})).await.unwrap();
+    assert_eq!(r.status, 202, "{r:?}");
+    c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    let w = window(&c, &thread).await;
+    assert_eq!(texts(&w).iter().map(|t| t.0).collect::<Vec<_>>(), [4, 5]);
+    assert_eq!(w["messages"][0]["branch"], json!({"index": 2, "count": 2}), "{w}");
+    assert!(w["messages"][1].get("branch").is_none(), "one switcher per fork: {w}");
+
+    let list = c.get(&format!("/api/threads/{thread}/messages/4/branches")).await.unwrap();
+    assert_eq!(list.status, 200, "{list:?}");
+    assert_eq!(list.body["parentSequence"], 0, "{list:?}");
+    let firsts: Vec<i64> = list.body["branches"].as_array().unwrap().iter().map(|b| b["firstSequence"].as_i64().unwrap()).collect();
+    assert_eq!(firsts, [1, 4], "the original turn, not the replaced answer: {list:?}");
+    assert_eq!(list.body["branches"][0]["messages"], 2, "{list:?}");
+
+    let r = c.post(&format!("/api/threads/{thread}/messages/4/branches/activate"), json!({"firstSequence": 1})).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    let w = window(&c, &thread).await;
+    assert_eq!(texts(&w).iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3], "the original question with its current answer");
+    assert_eq!(texts(&w)[0].1, "hello");
+    assert_eq!(w["messages"][0]["branch"], json!({"index": 1, "count": 2}), "{w}");
+    assert_eq!(w["messages"][1]["branch"], json!({"index": 2, "count": 2}), "the regenerate's fork is back: {w}");
+    let list = c.get(&format!("/api/threads/{thread}/messages/3/branches")).await.unwrap();
+    assert_eq!(list.body["parentSequence"], 1, "{list:?}");
+    let r = c.post(&format!("/api/threads/{thread}/messages/3/branches/activate"), json!({"firstSequence": 2})).await.unwrap();
+    assert_eq!((r.status, r.body["activated"].clone()), (200, json!([2])), "{r:?}");
+    let r = c.post(&format!("/api/threads/{thread}/messages/1/branches/activate"), json!({"firstSequence": 4})).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(texts(&window(&c, &thread).await).iter().map(|t| t.0).collect::<Vec<_>>(), [4, 5]);
+}
+
 #[tokio::test]
 async fn titles_rename_delete_undo_search_and_export() {
     let stack = Stack::start("ui_threads", StackOptions::default()).await.unwrap();
@@ -173,7 +218,7 @@ async fn titles_rename_delete_undo_search_and_export() {
     let resp = c.http.get(format!("{}/api/threads/{t1}/export", c.base)).bearer_auth(c.key.as_ref().unwrap()).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     let disposition = resp.headers()["content-disposition"].to_str().unwrap().to_owned();
-    assert_eq!(disposition, "attachment; filename=\"chat-plan-a-weekend-in.json\"");
+    assert_eq!(disposition, "attachment; filename=\"chat-plan-a-weekend-in.json\"; filename*=UTF-8''chat%2Dplan%2Da%2Dweekend%2Din.json");
     let doc: Value = resp.json().await.unwrap();
     assert_eq!(doc["format"], "agentloop.thread.v1");
     assert_eq!(doc["thread"]["id"], t1.as_str());
