@@ -32,13 +32,24 @@ pub struct Thread {
     pub updated_at: DateTime<Utc>,
 }
 
+/// Not a hidden thread of a `POST /v1/chat/completions` request in flight (a row of
+/// `openai_requests`, primary key lookup): such a thread belongs to that request alone — listed,
+/// read or written through the thread routes, a turn posted into it was accepted and then
+/// deleted with the thread when the request ended (acceptance probe). Hidden threads are found
+/// by no list, read or search; their ids are never shown.
+fn not_hidden() -> diesel::expression::SqlLiteral<diesel::sql_types::Bool> {
+    diesel::dsl::sql::<diesel::sql_types::Bool>("NOT EXISTS (SELECT 1 FROM openai_requests o WHERE o.thread_id = threads.id)")
+}
+
 /// The thread `id` if it exists, is not deleted and belongs to `owner`. Another principal's
-/// thread is indistinguishable from a missing one (SPEC §11: 404, never 403).
+/// thread is indistinguishable from a missing one (SPEC §11: 404, never 403); so is a hidden
+/// thread of the OpenAI endpoint ([`not_hidden`]).
 pub async fn get_owned(conn: &mut AsyncPgConnection, id: Uuid, owner: Uuid) -> QueryResult<Option<Thread>> {
     threads::table
         .filter(threads::id.eq(id))
         .filter(threads::owner_id.eq(owner))
         .filter(threads::deleted_at.is_null())
+        .filter(not_hidden())
         .select(Thread::as_select())
         .first(conn)
         .await
@@ -53,6 +64,7 @@ pub async fn event_position_owned(conn: &mut AsyncPgConnection, id: Uuid, owner:
         .filter(threads::id.eq(id))
         .filter(threads::owner_id.eq(owner))
         .filter(threads::deleted_at.is_null())
+        .filter(not_hidden())
         .select(threads::last_event_sequence)
         .first(conn)
         .await
@@ -80,6 +92,7 @@ pub async fn list(
     let mut query = threads::table
         .filter(threads::owner_id.eq(owner))
         .filter(threads::deleted_at.is_null())
+        .filter(not_hidden())
         .select(Thread::as_select())
         .order((threads::updated_at.desc(), threads::id.desc()))
         .limit(limit)

@@ -199,8 +199,33 @@ async fn openai_non_streaming_client_disconnect_cancels_the_run() {
     let body = json!({"model": "mock",
                       "messages": [{"role": "user", "content": script(json!([{"text": words.join(" "), "chunkDelayMs": 250}]))}]});
     let request = reqwest::Client::new().post(format!("{}/v1/chat/completions", stack.api_url)).bearer_auth(&stack.key).json(&body).send();
+    // While it answers, its hidden thread belongs to the request alone: no list shows it, no
+    // thread route reads or writes it (a turn posted into it was accepted, then deleted with it).
+    let probed = std::sync::atomic::AtomicBool::new(false);
+    let probe = async {
+        let db = stack.db.client().await.unwrap();
+        let hidden: uuid::Uuid = loop {
+            if let Some(row) = db.query_opt("SELECT thread_id FROM openai_requests", &[]).await.unwrap() {
+                break row.get(0);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let c = stack.client();
+        let list = c.get("/api/threads").await.unwrap();
+        assert!(!list.body.to_string().contains(&hidden.to_string()), "listed: {list:?}");
+        for path in [format!("/api/threads/{hidden}"), format!("/api/threads/{hidden}/messages"), format!("/api/threads/{hidden}/export")] {
+            assert_eq!(c.get(&path).await.unwrap().status, 404, "{path}");
+        }
+        probed.store(true, std::sync::atomic::Ordering::SeqCst);
+        std::future::pending::<()>().await
+    };
     // The client gives up after 1.5 s of a 10 s answer.
-    assert!(tokio::time::timeout(Duration::from_millis(1500), request).await.is_err(), "answered too early");
+    let outcome = tokio::time::timeout(Duration::from_millis(1500), async {
+        tokio::select! { r = request => Some(r), _ = probe => None }
+    })
+    .await;
+    assert!(outcome.is_err(), "answered too early");
+    assert!(probed.load(std::sync::atomic::Ordering::SeqCst), "the hidden thread was probed while the request ran");
     let disconnected = Instant::now();
     let took = wait_no_hidden(&stack, Duration::from_secs(6)).await;
     assert_eq!(mock_in_flight(&stack).await, 0, "the model call was not aborted");
