@@ -320,9 +320,14 @@ fn from_llmspy_thread(obj: &Map<String, Value>, prefix: &str, limits: &Limits) -
 }
 
 /// A time value: epoch ms (≥ 10^11), epoch seconds (integer or float), RFC 3339, or
-/// `YYYY-MM-DD HH:MM:SS[.fff]` / `YYYY-MM-DDTHH:MM:SS[.fff]` without a zone (UTC). Returns
-/// (ms, time).
+/// `YYYY-MM-DD HH:MM:SS[.fff]` / `YYYY-MM-DDTHH:MM:SS[.fff]` without a zone (UTC), in years
+/// 1..=9999 (what PostgreSQL's `timestamptz` holds: a time outside it was a 500 from the
+/// database instead of a 400). Returns (ms, time).
 pub fn time_of(value: &Value) -> Option<(i64, DateTime<Utc>)> {
+    parse_time(value).filter(|(_, at)| (1..=9999).contains(&chrono::Datelike::year(at)))
+}
+
+fn parse_time(value: &Value) -> Option<(i64, DateTime<Utc>)> {
     let at = match value {
         Value::Number(n) => {
             let f = n.as_f64()?;
@@ -334,7 +339,7 @@ pub fn time_of(value: &Value) -> Option<(i64, DateTime<Utc>)> {
             if let Ok(t) = DateTime::parse_from_rfc3339(s) {
                 t.with_timezone(&Utc)
             } else if let Ok(n) = s.parse::<f64>() {
-                return time_of(&json!(n));
+                return parse_time(&json!(n));
             } else {
                 let naive = NaiveDateTime::parse_from_str(s, "%Y-%m-%d %H:%M:%S%.f")
                     .or_else(|_| NaiveDateTime::parse_from_str(s, "%Y-%m-%dT%H:%M:%S%.f"))
@@ -572,6 +577,11 @@ mod tests {
             (json!({"messages": [{"role": "assistant", "tool_calls": [call("a")]}, {"role": "assistant", "tool_calls": [call("a")]}]}), "messages[1].tool_calls[0].id"),
             (json!({"messages": [{"role": "user", "content": "x", "timestamp": "yesterday"}]}), "messages[0].timestamp"),
             (json!({"format": "agentloop.thread.v1", "thread": {"createdAt": "x"}, "messages": [{"role": "user", "content": "x"}]}), "thread.createdAt"),
+            // Outside PostgreSQL's timestamps (years 1..=9999).
+            (json!({"messages": [{"role": "user", "content": "x", "timestamp": 253402300800000i64}]}), "messages[0].timestamp"),
+            (json!({"messages": [{"role": "user", "content": "x", "timestamp": -62135596800001i64}]}), "messages[0].timestamp"),
+            (json!({"format": "agentloop.thread.v1", "thread": {"createdAt": "0000-01-01T00:00:00Z"}, "messages": [{"role": "user", "content": "x"}]}), "thread.createdAt"),
+            (json!({"messages": [{"role": "user", "content": "x", "createdAt": "0000-01-01T00:00:00Z"}]}), "messages[0].createdAt"),
             (json!({"format": "nope"}), "format"),
             (json!({"threads": [{"messages": []}, {"messages": []}]}), "threads"),
             (json!("text"), ""),
