@@ -222,7 +222,11 @@ async fn hostile_browser_session_cookie_csrf_and_sign_out() {
         .unwrap();
     assert_eq!(made.status(), 201);
 
-    let out = http.delete(url("/api/session")).header("Cookie", &cookie).send().await.unwrap();
+    // Sign-out is a cookie request too: a cross-site form cannot end the session.
+    let forged = http.delete(url("/api/session")).header("Cookie", &cookie).header("Origin", "http://evil.example").send().await.unwrap();
+    assert_eq!(forged.status(), 403);
+    assert_eq!(http.get(url("/api/threads")).header("Cookie", &cookie).send().await.unwrap().status(), 200, "still signed in");
+    let out = http.delete(url("/api/session")).header("Cookie", &cookie).header("X-Requested-With", "agentloop").send().await.unwrap();
     assert_eq!(out.status(), 204);
     assert!(out.headers()["set-cookie"].to_str().unwrap().contains("Max-Age=0"));
     assert_eq!(http.get(url("/api/threads")).header("Cookie", &cookie).send().await.unwrap().status(), 401, "signed out");
