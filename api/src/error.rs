@@ -87,16 +87,23 @@ impl ApiError {
 }
 
 impl From<diesel::result::Error> for ApiError {
-    /// Reads go through diesel, which hides SQLSTATEs: a lost or terminated connection (and a
-    /// serialization failure) is 503 `database_unavailable` — a read is always safe to retry —
-    /// anything else a 500.
+    /// Reads go through diesel, which hides SQLSTATEs: a lost or terminated connection, a
+    /// serialization failure, and the outage classes of `store::fault` that a read's write can
+    /// meet — a read-only database (25006: a key's `last_used_at`), a full disk (53100), a
+    /// server starting or shutting down (57P03) — are 503 `database_unavailable` (a read is
+    /// always safe to retry); anything else a 500.
     fn from(e: diesel::result::Error) -> Self {
         use diesel::result::{DatabaseErrorKind as K, Error as E};
         let transient = match &e {
-            E::DatabaseError(K::UnableToSendCommand | K::ClosedConnection | K::SerializationFailure, _) => true,
+            E::DatabaseError(K::UnableToSendCommand | K::ClosedConnection | K::SerializationFailure | K::ReadOnlyTransaction, _) => true,
             E::DatabaseError(K::Unknown, info) => {
                 let m = info.message();
-                m.contains("terminating connection") || m.contains("connection") && m.contains("closed") || m.contains("statement timeout")
+                m.contains("terminating connection")
+                    || m.contains("connection") && m.contains("closed")
+                    || m.contains("statement timeout")
+                    || m.contains("read-only transaction")
+                    || m.contains("No space left on device")
+                    || m.contains("the database system is")
             }
             _ => false,
         };

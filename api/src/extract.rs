@@ -134,7 +134,11 @@ pub async fn authenticate(state: &AppState, req: &HttpRequest) -> Result<Option<
             return Err(ApiError::Unauthorized);
         };
         if found.stale {
-            auth::touch_key(&mut conn, found.key_id).await?;
+            // Best effort: a database that refuses writes (read-only after a failover, a full
+            // disk) must not turn every authenticated read into an error.
+            if let Err(error) = auth::touch_key(&mut conn, found.key_id).await {
+                tracing::warn!(%error, "could not record the key's last use; serving the request");
+            }
         }
         Authenticated(found.principal, Some(Credential::Key(found.key_id)), Via::Bearer)
     } else if let Some(token) = session_token(req) {
