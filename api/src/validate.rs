@@ -115,7 +115,7 @@ pub async fn turn_fits(
             status: actix_web::http::StatusCode::PAYLOAD_TOO_LARGE,
             code: "turn_too_large".into(),
             message: format!(
-                "this message is about {} tokens; model {} accepts at most {} tokens in one turn (its context must also hold the answer                  and the conversation). Shorten it or split it into several messages.",
+                "this message is about {} tokens; model {} accepts at most {} tokens in one turn (its context must also hold the answer and the conversation). Shorten it or split it into several messages.",
                 turn.token_estimate, model.id, limit
             ),
         });

@@ -159,6 +159,21 @@ test('reload mid-run and see the same run continue to completion', async browser
   await shot(t.page, '02-reload-completed.png');
 });
 
+test('a URL fragment that is not a thread id never reaches an API path', async browser => {
+  const seen = [];
+  const t = await open(browser, 'fragment', page => page.on('request', r => seen.push(new URL(r.url()).pathname)));
+  await t.page.waitForSelector(sel('new-thread'));
+  for (const fragment of ['../session', '../webhooks', '..%2Fsession', 'not-a-thread']) {
+    seen.length = 0;
+    await t.page.evaluate(f => { location.hash = f; }, fragment);
+    await t.page.waitForFunction(() => location.hash === '');
+    await t.page.waitForTimeout(200);
+    const stray = seen.filter(p => p.startsWith('/api/') && !['/api/threads', '/api/models', '/api/readyz'].includes(p));
+    assert(stray.length === 0, `#${fragment} requested ${stray.join(', ')}`);
+  }
+  assert(!t.log.some(l => l.startsWith('[pageerror]')), `no uncaught error: ${t.log.join(' | ')}`);
+});
+
 test('SSE blocked: the page falls back to long-poll and still updates', async browser => {
   let blocked = 0;
   const t = await open(browser, 'fallback', page => page.route('**/updates/stream*', r => { blocked += 1; return r.abort(); }));

@@ -70,11 +70,16 @@ export async function download(path, fallbackName) {
     try { msg = (await res.json()).error.message; } catch (_) { /* keep */ }
     throw new ApiError(res.status, 'download_failed', msg);
   }
-  const name = /filename="([^"]+)"/.exec(res.headers.get('Content-Disposition') || '');
+  // RFC 6266: `filename*` (UTF-8, RFC 8187) when given, else `filename`.
+  const header = res.headers.get('Content-Disposition') || '';
+  const ext = /filename\*=UTF-8''([^;]+)/i.exec(header);
+  const plain = /filename="([^"]+)"/.exec(header);
+  let name = plain ? plain[1] : fallbackName;
+  if (ext) { try { name = decodeURIComponent(ext[1].trim()); } catch (_) { /* keep the ASCII name */ } }
   const url = URL.createObjectURL(await res.blob());
   const a = document.createElement('a');
   a.href = url;
-  a.download = name ? name[1] : fallbackName;
+  a.download = name;
   document.body.append(a);
   a.click();
   a.remove();

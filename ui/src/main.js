@@ -464,7 +464,18 @@ function renderEmpty() {
   renderAll();
 }
 
+// A thread id is a UUID: anything else in the URL fragment (`#../session`) must never become
+// part of an API path.
+const THREAD_ID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+
 async function openThread(id, focusSeq) {
+  if (!THREAD_ID.test(id)) {
+    history.replaceState(null, '', location.pathname);
+    if (S.V) { S.V.close(); S.V = null; }
+    renderEmpty();
+    showError({message: 'That chat does not exist (or was deleted).', code: 'not_found'});
+    return;
+  }
   if (S.V) S.V.close();
   const V = S.V = newView(id);
   history.replaceState(null, '', '#' + id);

@@ -95,7 +95,22 @@ pub async fn export_thread(
         let mut conn = state.pool.get().await?;
         threads::get_owned(&mut conn, path.into_inner(), who.0.id).await?.ok_or(ApiError::NotFound)?
     };
-    let filename = format!("{}.{}", slug(&thread.title, thread.id), if markdown { "md" } else { "json" });
+    let extension = if markdown { "md" } else { "json" };
+    let filename = format!("{}.{extension}", slug(&thread.title, thread.id));
+    // RFC 6266: `filename` for old clients (ASCII), `filename*` (RFC 8187, UTF-8) keeps the
+    // title's letters in every other script.
+    let unicode = format!("{}.{extension}", unicode_slug(&thread.title).unwrap_or_else(|| slug(&thread.title, thread.id)));
+    let disposition = actix_web::http::header::ContentDisposition {
+        disposition: actix_web::http::header::DispositionType::Attachment,
+        parameters: vec![
+            actix_web::http::header::DispositionParam::Filename(filename),
+            actix_web::http::header::DispositionParam::FilenameExt(actix_web::http::header::ExtendedValue {
+                charset: actix_web::http::header::Charset::Ext("UTF-8".into()),
+                language_tag: None,
+                value: unicode.into_bytes(),
+            }),
+        ],
+    };
     let head = if markdown { markdown_head(&thread) } else { json_head(&thread) };
     let tail = if markdown { String::new() } else { "]}\n".to_owned() };
 
@@ -153,7 +168,7 @@ pub async fn export_thread(
         .chain(futures_util::stream::once(async move { Ok(web::Bytes::from(tail)) }));
     Ok(HttpResponse::Ok()
         .content_type(if markdown { "text/markdown; charset=utf-8" } else { "application/json" })
-        .insert_header(("Content-Disposition", format!("attachment; filename=\"{filename}\"")))
+        .insert_header(disposition)
         .streaming(stream))
 }
 
@@ -173,6 +188,27 @@ pub fn slug(title: &str, id: Uuid) -> String {
     }
     let out = out.trim_matches('-').to_owned();
     if out.is_empty() { format!("thread-{id}") } else { out }
+}
+
+/// [`slug`] keeping letters and digits of every script (lowercased; at most 60 characters);
+/// `None` when the title has none.
+pub fn unicode_slug(title: &str) -> Option<String> {
+    let mut out = String::new();
+    let mut n = 0;
+    for c in title.chars().flat_map(char::to_lowercase) {
+        if c.is_alphanumeric() {
+            out.push(c);
+            n += 1;
+        } else if !out.ends_with('-') && !out.is_empty() {
+            out.push('-');
+            n += 1;
+        }
+        if n >= 60 {
+            break;
+        }
+    }
+    let out = out.trim_matches('-');
+    (!out.is_empty()).then(|| out.to_owned())
 }
 
 fn json_head(thread: &Thread) -> String {
@@ -299,6 +335,8 @@ mod tests {
         let id = Uuid::nil();
         assert_eq!(slug("Trip to Paris: day 1!", id), "trip-to-paris-day-1");
         assert_eq!(slug("   ", id), format!("thread-{id}"));
+        assert_eq!(unicode_slug("😀 Ünïcödé — Привет, 世界!").as_deref(), Some("ünïcödé-привет-世界"));
+        assert_eq!(unicode_slug("😀 !"), None);
         assert_eq!(fence("a ``` b"), "````");
         assert_eq!(fence("plain"), "```");
     }
