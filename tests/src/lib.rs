@@ -103,6 +103,16 @@ impl TestDb {
             if !status.success() {
                 bail!("migrating the template failed");
             }
+            // The binary must hold every migration on disk (one built before a migration was
+            // added would leave a template that looks current but lacks it).
+            let (t, conn) = tokio_postgres::connect(&url_on(&admin_url, template), NoTls).await?;
+            tokio::spawn(conn);
+            let applied: i64 = t.query_one("SELECT count(*) FROM __diesel_schema_migrations", &[]).await?.get(0);
+            let on_disk = migrations_on_disk();
+            if applied != on_disk {
+                admin.batch_execute(&format!("DROP DATABASE IF EXISTS {template} WITH (FORCE)")).await?;
+                bail!("{} applied {applied} migrations, {on_disk} are on disk: rebuild it (cargo build --workspace)", bin("agentloop-worker").display());
+            }
             admin.batch_execute(&format!("COMMENT ON DATABASE {template} IS '{fingerprint}'")).await?;
         }
         let name = format!("t_{}", uuid::Uuid::new_v4().simple());
@@ -118,6 +128,12 @@ impl TestDb {
         tokio::spawn(conn);
         Ok(client)
     }
+}
+
+/// Migrations on disk (directories with an `up.sql`).
+fn migrations_on_disk() -> i64 {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations");
+    std::fs::read_dir(dir).map(|d| d.flatten().filter(|e| e.path().join("up.sql").exists()).count() as i64).unwrap_or(0)
 }
 
 fn migrations_fingerprint() -> String {
