@@ -209,6 +209,12 @@ async fn titles_rename_delete_undo_search_and_export() {
     assert!(hits.contains(&t1.as_str()), "{found:?}");
     assert!(!hits.contains(&t3.as_str()), "another principal's thread is never found");
     assert!(found.body["messages"][0]["snippet"].as_str().unwrap().contains("\u{2}Lisbon\u{3}"), "{found:?}");
+    // The hit markers cannot be forged by a message that contains them.
+    let marked = untitled(&c).await;
+    say(&c, &marked, "zebraword and \u{2}bold\u{3} text").await;
+    let forged = c.get("/api/search?q=zebraword").await.unwrap();
+    let snippet = forged.body["messages"][0]["snippet"].as_str().unwrap_or_default().to_owned();
+    assert!(snippet.contains("\u{2}zebraword\u{3}") && snippet.contains(" bold ") && snippet.matches('\u{2}').count() == 1, "{forged:?}");
     let by_title = c.get("/api/search?q=diodes").await.unwrap();
     assert_eq!(by_title.body["threads"][0]["id"], t2.as_str(), "{by_title:?}");
     assert_eq!(c.get("/api/search?q=%20%20").await.unwrap().status, 400);
