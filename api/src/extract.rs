@@ -151,14 +151,7 @@ pub async fn authenticate(state: &AppState, req: &HttpRequest) -> Result<Option<
             failed(state);
             return Err(ApiError::Unauthorized);
         };
-        let safe = matches!(*req.method(), actix_web::http::Method::GET | actix_web::http::Method::HEAD);
-        let marked = req.headers().get(CSRF_HEADER.0).and_then(|v| v.to_str().ok()).is_some_and(|v| v.eq_ignore_ascii_case(CSRF_HEADER.1));
-        if !safe && !marked {
-            return Err(ApiError::Forbidden {
-                code: "csrf_header_missing",
-                message: format!("a request authenticated by the session cookie must carry {}: {}", CSRF_HEADER.0, CSRF_HEADER.1),
-            });
-        }
+        csrf_guard(req)?;
         Authenticated(found.principal, Some(Credential::Session(found.session_id)), Via::Session)
     } else {
         let peer_loopback = req.peer_addr().is_some_and(|a| a.ip().is_loopback());
@@ -297,6 +290,21 @@ mod tests {
         assert_eq!(client_ip(&req, 1), Some("1.2.3.4".parse().unwrap()), "the address our proxy saw, not the spoofable left one");
         assert_eq!(client_ip(&req, 2), Some("6.6.6.6".parse().unwrap()));
     }
+}
+
+/// The CSRF rule of cookie-authenticated requests: one that is not GET/HEAD must carry
+/// [`CSRF_HEADER`] (a cross-site form cannot set it), else 403 `csrf_header_missing`. Applied by
+/// [`authenticate`] and by sign-out, which reads the cookie itself.
+pub fn csrf_guard(req: &HttpRequest) -> Result<(), ApiError> {
+    let safe = matches!(*req.method(), actix_web::http::Method::GET | actix_web::http::Method::HEAD);
+    let marked = req.headers().get(CSRF_HEADER.0).and_then(|v| v.to_str().ok()).is_some_and(|v| v.eq_ignore_ascii_case(CSRF_HEADER.1));
+    if safe || marked {
+        return Ok(());
+    }
+    Err(ApiError::Forbidden {
+        code: "csrf_header_missing",
+        message: format!("a request authenticated by the session cookie must carry {}: {}", CSRF_HEADER.0, CSRF_HEADER.1),
+    })
 }
 
 /// A keyset cursor `<µs since the epoch>_<uuid>`: the position of the last item of a page

@@ -19,15 +19,10 @@ use crate::error::ApiError;
     security(())
 )]
 pub async fn delete_session(state: web::Data<AppState>, req: HttpRequest) -> Result<HttpResponse, ApiError> {
-    // A cookie request that is not GET/HEAD carries the CSRF header, sign-out included: a
-    // cross-site form must not sign a user out (the rule of every other cookie request).
-    let (name, value) = crate::extract::CSRF_HEADER;
-    let marked = req.headers().get(name).and_then(|v| v.to_str().ok()).is_some_and(|v| v.eq_ignore_ascii_case(value));
-    if crate::extract::session_token(&req).is_some() && !marked {
-        return Err(ApiError::Forbidden {
-            code: "csrf_header_missing",
-            message: format!("a request authenticated by the session cookie must carry {name}: {value}"),
-        });
+    // Sign-out by cookie follows the CSRF rule of every cookie request (a cross-site form must
+    // not end a session).
+    if crate::extract::session_token(&req).is_some() {
+        crate::extract::csrf_guard(&req)?;
     }
     if let Some(token) = crate::extract::session_token(&req).filter(|t| t.len() <= 256) {
         let mut conn = state.pool.get().await?;
