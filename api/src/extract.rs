@@ -315,7 +315,7 @@ pub(crate) fn keyset_cursor(cursor: &str) -> Result<(chrono::DateTime<chrono::Ut
     let parse = || {
         let (at, id) = cursor.split_once('_')?;
         let micros: i64 = at.parse().ok()?;
-        let at = chrono::DateTime::from_timestamp_micros(micros).filter(|t| (1..=9999).contains(&chrono::Datelike::year(t)))?;
+        let at = chrono::DateTime::from_timestamp_micros(micros).filter(agentloop_shared::text::storable_time)?;
         Some((at, uuid::Uuid::parse_str(id).ok()?))
     };
     parse().ok_or_else(|| ApiError::bad_request("invalid_cursor", "cursor is malformed"))

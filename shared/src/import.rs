@@ -324,7 +324,7 @@ fn from_llmspy_thread(obj: &Map<String, Value>, prefix: &str, limits: &Limits) -
 /// 1..=9999 (what PostgreSQL's `timestamptz` holds: a time outside it was a 500 from the
 /// database instead of a 400). Returns (ms, time).
 pub fn time_of(value: &Value) -> Option<(i64, DateTime<Utc>)> {
-    parse_time(value).filter(|(_, at)| (1..=9999).contains(&chrono::Datelike::year(at)))
+    parse_time(value).filter(|(_, at)| crate::text::storable_time(at))
 }
 
 fn parse_time(value: &Value) -> Option<(i64, DateTime<Utc>)> {

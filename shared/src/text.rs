@@ -1,7 +1,8 @@
 //! Text hygiene for PostgreSQL: `text` and `jsonb` cannot hold U+0000 (NUL), which models,
 //! tools and clients can all produce. Every value written to history, the journal or a thread
 //! passes through here; each NUL becomes U+FFFD (the replacement character), so a stray NUL
-//! never fails a write — a failed write would otherwise be retried forever.
+//! never fails a write — a failed write would otherwise be retried forever. Likewise a client
+//! time PostgreSQL cannot store ([`storable_time`]).
 
 use std::borrow::Cow;
 
@@ -50,4 +51,10 @@ mod tests {
         assert_eq!(clean_json(&v).into_owned(), json!({"k\u{FFFD}": ["x\u{FFFD}", {"y": "z\u{FFFD}"}], "n": 1}));
         assert!(matches!(clean_json(&json!({"a": "b"})), Cow::Borrowed(_)));
     }
+}
+
+/// Whether PostgreSQL's `timestamptz` holds `at` (years 1..=9999 here: a time outside it fails
+/// the statement, a 500 instead of the client's 400). Used by every parser of client times.
+pub fn storable_time(at: &chrono::DateTime<chrono::Utc>) -> bool {
+    (1..=9999).contains(&chrono::Datelike::year(at))
 }

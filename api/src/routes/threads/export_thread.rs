@@ -175,28 +175,21 @@ pub async fn export_thread(
 /// A file name from the title: lowercase ASCII letters and digits joined by `-`, at most 60
 /// characters; `thread-<id>` for an untitled thread.
 pub fn slug(title: &str, id: Uuid) -> String {
-    let mut out = String::new();
-    for c in title.chars().flat_map(char::to_lowercase) {
-        if c.is_ascii_alphanumeric() {
-            out.push(c);
-        } else if !out.ends_with('-') && !out.is_empty() {
-            out.push('-');
-        }
-        if out.len() >= 60 {
-            break;
-        }
-    }
-    let out = out.trim_matches('-').to_owned();
-    if out.is_empty() { format!("thread-{id}") } else { out }
+    slug_keeping(title, |c| c.is_ascii_alphanumeric()).unwrap_or_else(|| format!("thread-{id}"))
 }
 
-/// [`slug`] keeping letters and digits of every script (lowercased; at most 60 characters);
-/// `None` when the title has none.
+/// [`slug`] keeping letters and digits of every script; `None` when the title has none.
 pub fn unicode_slug(title: &str) -> Option<String> {
+    slug_keeping(title, char::is_alphanumeric)
+}
+
+/// The lowercased characters of `title` that `keep` accepts, runs of others as one `-`, at most
+/// 60 characters, no `-` at either end; `None` when nothing is left.
+fn slug_keeping(title: &str, keep: impl Fn(char) -> bool) -> Option<String> {
     let mut out = String::new();
     let mut n = 0;
     for c in title.chars().flat_map(char::to_lowercase) {
-        if c.is_alphanumeric() {
+        if keep(c) {
             out.push(c);
             n += 1;
         } else if !out.ends_with('-') && !out.is_empty() {
