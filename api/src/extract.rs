@@ -111,27 +111,35 @@ pub fn session_token(req: &HttpRequest) -> Option<String> {
     req.cookie(SESSION_COOKIE).map(|c| c.value().to_owned()).filter(|v| !v.is_empty())
 }
 
+/// The answer to a failed authentication from `ip`: 401 `invalid_api_key`, or 429
+/// `too_many_failed_auth` once the address has used up its failed-authentication budget
+/// (`AUTH_FAILURES_PER_MINUTE`). Only failures are refused: a request whose credential is valid
+/// is served whatever its address did, so clients sharing an address — behind a NAT, or every
+/// client behind a proxy when `TRUSTED_PROXY_HOPS` is not set — cannot be locked out by a
+/// stranger sending bad keys (acceptance probe: 22 bad requests through the bundled HAProxy
+/// refused every user's valid key).
+pub fn auth_failure(state: &AppState, ip: Option<IpAddr>) -> ApiError {
+    if let Some(ip) = ip {
+        if let Err(blocked) = state.limits.check_address(ip) {
+            return blocked;
+        }
+        state.limits.record_failure(ip);
+    }
+    ApiError::Unauthorized
+}
+
 /// Resolves the caller of `req` (see the module docs). `None` when the request carries no
 /// credential at all and is not a loopback development request.
 pub async fn authenticate(state: &AppState, req: &HttpRequest) -> Result<Option<Authenticated>, ApiError> {
     let ip = client_ip(req, state.trusted_proxy_hops);
-    if let Some(ip) = ip {
-        state.limits.check_address(ip)?;
-    }
-    let failed = |state: &AppState| {
-        if let Some(ip) = ip {
-            state.limits.record_failure(ip);
-        }
-    };
+    let failed = |state: &AppState| auth_failure(state, ip);
     let who = if let Some(key) = bearer(req) {
         if key.is_empty() || key.len() > 256 {
-            failed(state);
-            return Err(ApiError::Unauthorized);
+            return Err(failed(state));
         }
         let mut conn = state.pool.get().await?;
         let Some(found) = auth::authenticate_key(&mut conn, &key).await? else {
-            failed(state);
-            return Err(ApiError::Unauthorized);
+            return Err(failed(state));
         };
         if found.stale {
             // Best effort: a database that refuses writes (read-only after a failover, a full
@@ -143,13 +151,11 @@ pub async fn authenticate(state: &AppState, req: &HttpRequest) -> Result<Option<
         Authenticated(found.principal, Some(Credential::Key(found.key_id)), Via::Bearer)
     } else if let Some(token) = session_token(req) {
         if token.len() > 256 {
-            failed(state);
-            return Err(ApiError::Unauthorized);
+            return Err(failed(state));
         }
         let mut conn = state.pool.get().await?;
         let Some(found) = auth::authenticate_session(&mut conn, &token).await? else {
-            failed(state);
-            return Err(ApiError::Unauthorized);
+            return Err(failed(state));
         };
         csrf_guard(req)?;
         Authenticated(found.principal, Some(Credential::Session(found.session_id)), Via::Session)

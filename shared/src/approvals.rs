@@ -124,13 +124,15 @@ pub async fn for_thread(conn: &mut AsyncPgConnection, thread_id: Uuid, only_pend
     query.load(conn).await
 }
 
-/// The approval `id` if its thread belongs to `principal` (and is not deleted).
+/// The approval `id` if its thread belongs to `principal` (and is neither deleted nor hidden:
+/// [`crate::threads::not_hidden`]).
 pub async fn get_owned(conn: &mut AsyncPgConnection, id: Uuid, principal: Uuid) -> QueryResult<Option<Approval>> {
     tool_approvals::table
         .inner_join(threads::table.on(threads::id.eq(tool_approvals::thread_id)))
         .filter(tool_approvals::id.eq(id))
         .filter(threads::owner_id.eq(principal))
         .filter(threads::deleted_at.is_null())
+        .filter(crate::threads::not_hidden())
         .select(Approval::as_select())
         .first(conn)
         .await

@@ -295,6 +295,13 @@ pub async fn openai_finish(store: &Store, principal: Uuid, thread_id: Uuid) -> R
     Ok(value["gone"].as_bool() == Some(true))
 }
 
+/// A `/v1` request cancels its own run (`agentloop_openai_cancel`): a run that waits for a human
+/// (an approval, an uncertain effect) cannot be resolved by a stateless caller. The principal
+/// commands do not find a hidden thread (migration 000029), so the request uses this one.
+pub async fn openai_cancel(store: &Store, principal: Uuid, thread_id: Uuid) -> Result<Value, StoreError> {
+    run(store, "agentloop_openai_cancel", &json!({"principalId": principal, "threadId": thread_id}), Replay::Safe).await
+}
+
 /// The workers' sweep of abandoned hidden threads (`agentloop_openai_sweep`): `(purged,
 /// still pending, ms until the earliest lease of a held request expires)`.
 pub async fn openai_sweep(store: &Store, limit: i64) -> Result<(i64, i64, Option<i64>), StoreError> {

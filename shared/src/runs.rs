@@ -147,7 +147,8 @@ pub fn step_key(run_id: Uuid, sequence: i32) -> String {
     format!("run:{run_id}:step:{sequence}")
 }
 
-/// The run `id` if its thread is owned by `principal`.
+/// The run `id` if its thread is owned by `principal` (and is neither deleted nor hidden:
+/// [`crate::threads::not_hidden`]).
 pub async fn get_owned(conn: &mut AsyncPgConnection, id: Uuid, principal: Uuid) -> QueryResult<Option<Run>> {
     use crate::db::schema::threads;
     runs::table
@@ -155,6 +156,7 @@ pub async fn get_owned(conn: &mut AsyncPgConnection, id: Uuid, principal: Uuid) 
         .filter(runs::id.eq(id))
         .filter(threads::owner_id.eq(principal))
         .filter(threads::deleted_at.is_null())
+        .filter(crate::threads::not_hidden())
         .select(Run::as_select())
         .first(conn)
         .await

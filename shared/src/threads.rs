@@ -36,8 +36,9 @@ pub struct Thread {
 /// `openai_requests`, primary key lookup): such a thread belongs to that request alone — listed,
 /// read or written through the thread routes, a turn posted into it was accepted and then
 /// deleted with the thread when the request ended (acceptance probe). Hidden threads are found
-/// by no list, read or search; their ids are never shown.
-fn not_hidden() -> diesel::expression::SqlLiteral<diesel::sql_types::Bool> {
+/// by no list, read or search; their ids are never shown. The filter names `threads.id`: use it
+/// in queries that select or join `threads`.
+pub fn not_hidden() -> diesel::expression::SqlLiteral<diesel::sql_types::Bool> {
     diesel::dsl::sql::<diesel::sql_types::Bool>("NOT EXISTS (SELECT 1 FROM openai_requests o WHERE o.thread_id = threads.id)")
 }
 

@@ -216,6 +216,26 @@ async fn openai_non_streaming_client_disconnect_cancels_the_run() {
         for path in [format!("/api/threads/{hidden}"), format!("/api/threads/{hidden}/messages"), format!("/api/threads/{hidden}/export")] {
             assert_eq!(c.get(&path).await.unwrap().status, 404, "{path}");
         }
+        // Nor do the run routes and the thread commands (acceptance probe: the run was readable,
+        // PATCH renamed the thread, compact copied the hidden conversation into a listed thread,
+        // DELETE and restore went through).
+        let run: uuid::Uuid = db.query_one("SELECT id FROM runs WHERE thread_id = $1", &[&hidden]).await.unwrap().get(0);
+        for path in [format!("/api/runs/{run}"), format!("/api/runs/{run}/operations")] {
+            assert_eq!(c.get(&path).await.unwrap().status, 404, "{path}");
+        }
+        use reqwest::Method;
+        for (method, path, body) in [
+            (Method::PATCH, format!("/api/threads/{hidden}"), json!({"title": "mine now"})),
+            (Method::POST, format!("/api/threads/{hidden}/compact"), json!({})),
+            (Method::POST, format!("/api/threads/{hidden}/chat"), json!({"content": "hello"})),
+            (Method::POST, format!("/api/runs/{run}/cancel"), json!({})),
+            (Method::DELETE, format!("/api/threads/{hidden}"), json!({})),
+        ] {
+            let r = c.send(method.clone(), &path, Some(body), &[]).await.unwrap();
+            assert_eq!(r.status, 404, "{method} {path}: {r:?}");
+        }
+        let title: String = db.query_one("SELECT title FROM threads WHERE id = $1", &[&hidden]).await.unwrap().get(0);
+        assert_eq!(title, "stateless", "nothing was written");
         probed.store(true, std::sync::atomic::Ordering::SeqCst);
         std::future::pending::<()>().await
     };
@@ -231,6 +251,82 @@ async fn openai_non_streaming_client_disconnect_cancels_the_run() {
     assert_eq!(mock_in_flight(&stack).await, 0, "the model call was not aborted");
     assert!(disconnected.elapsed() < Duration::from_secs(6), "cleanup took {took:?}");
     eprintln!("non-streaming: hidden thread deleted {took:?} after the client disconnected");
+}
+
+/// A `/v1` request whose run performed an external effect never has it repeated behind the
+/// caller's back, and an effect of unknown outcome is never forgotten (acceptance probe: the
+/// official SDK resent a request whose model failed after a payment tool ran — three payments
+/// under three keys — and a client that went away mid-payment left no record of it).
+/// - the model fails after the effect: 502 `model_unavailable` with `x-should-retry: false`
+///   (OpenAI's SDKs resend every 5xx without it), the effect ran once;
+/// - the client goes away while the effect runs: the run is cancelled, its operation stays
+///   `uncertain`, and the thread is kept as an ordinary thread of the principal where the
+///   operation can be resolved, instead of being deleted with the request.
+#[tokio::test]
+async fn openai_an_effect_is_never_resent_nor_forgotten() {
+    let options = StackOptions { worker_env: vec![("AGENTLOOP_TEST_TOOLS".into(), "1".into())], ..Default::default() };
+    let stack = Stack::start("ecosystem_effects", options).await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", stack.api_url);
+    let effects = |label: &'static str| {
+        let db = &db;
+        async move { db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = $1", &[&label]).await.unwrap().get::<_, i64>(0) }
+    };
+
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "paid"}}]}, {"status": 500}]);
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
+    let r = http.post(&url).bearer_auth(&stack.key).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 502);
+    assert_eq!(r.headers().get("x-should-retry").map(|v| v.to_str().unwrap()), Some("false"), "{:?}", r.headers());
+    let error: Value = r.json().await.unwrap();
+    assert_eq!(error["error"]["code"], "model_unavailable", "{error}");
+    assert_eq!(effects("paid").await, 1);
+    wait_no_hidden(&stack, Duration::from_secs(10)).await;
+    let kept: i64 = db.query_one("SELECT count(*) FROM threads", &[]).await.unwrap().get(0);
+    assert_eq!(kept, 0, "a completed effect needs no record: the thread is deleted");
+
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "slow", "seconds": 30}}]}, {"text": "never"}]);
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
+    let request = http.post(&url).bearer_auth(&stack.key).json(&body).send();
+    let started = async {
+        while effects("slow").await == 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::select! {
+        r = request => panic!("answered while the effect ran: {r:?}"),
+        () = started => {}
+    }
+    // The request future is dropped: the client is gone mid-effect.
+    let deadline = Instant::now() + T;
+    let thread: uuid::Uuid = loop {
+        let row = db
+            .query_opt("SELECT id FROM threads WHERE metadata ->> 'openaiRequest' = 'true' AND NOT EXISTS (SELECT 1 FROM openai_requests)", &[])
+            .await
+            .unwrap();
+        if let Some(row) = row {
+            break row.get(0);
+        }
+        assert!(Instant::now() < deadline, "the thread of the uncertain effect was not kept");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let c = stack.client();
+    let list = c.get("/api/threads").await.unwrap();
+    assert!(list.body.to_string().contains(&thread.to_string()), "the kept thread is listed: {list:?}");
+    let run: uuid::Uuid = db.query_one("SELECT id FROM runs WHERE thread_id = $1", &[&thread]).await.unwrap().get(0);
+    let ops = c.get(&format!("/api/runs/{run}/operations")).await.unwrap();
+    assert_eq!(ops.status, 200, "{ops:?}");
+    assert_eq!(ops.body["run"]["status"], "cancelled", "{ops:?}");
+    let op = &ops.body["operations"][0];
+    assert_eq!(op["status"], "uncertain", "{ops:?}");
+    let key = op["key"].as_str().unwrap().replace(':', "%3A");
+    let resolved = c.post(&format!("/api/runs/{run}/operations/{key}/resolve"), json!({"outcome": "completed", "result": "checked by hand", "runUpdatedAt": ops.body["run"]["updatedAt"]})).await.unwrap();
+    assert_eq!(resolved.status, 200, "{resolved:?}");
+    assert_eq!(effects("slow").await, 1, "never performed again");
+    // Nothing sweeps it later.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(c.get(&format!("/api/threads/{thread}")).await.unwrap().status, 200);
 }
 
 /// The api process dies mid-stream: its request leases expire and the workers' sweep cancels the

@@ -20,7 +20,7 @@
 
 use std::time::Duration;
 
-use actix_web::{HttpResponse, Responder, web};
+use actix_web::{HttpResponse, Responder, ResponseError, web};
 use actix_web_lab::sse;
 use agentloop_shared::import::{self, Limits};
 use agentloop_shared::messages::{self, role};
@@ -84,7 +84,8 @@ pub struct Answer {
 /// 200 `chat.completion` (or an SSE stream). Errors in OpenAI's shape: 400 `invalid_messages` /
 /// `invalid_tools` / `unsupported_n` (with `param`), 401 `invalid_api_key`, 404
 /// `model_not_found`, 413, 502 with the failed run's code (`max_iterations`,
-/// `model_unavailable`, ...), 504 `timeout`.
+/// `model_unavailable`, ...), 504 `timeout`. Every error after the run was created carries
+/// `x-should-retry: false` ([`final_error`]).
 pub async fn chat_completions(
     state: web::Data<AppState>,
     hidden: web::Data<HiddenRequests>,
@@ -152,28 +153,54 @@ pub async fn chat_completions(
         waited = wait_for_end(&state, &request) => waited,
         () = crate::connection::client_gone(peer) => {
             drop(request);
-            return Err(V1Error {
+            return Ok(actix_web::Either::Left(final_error(&V1Error {
                 status: actix_web::http::StatusCode::from_u16(499).unwrap_or(actix_web::http::StatusCode::BAD_REQUEST),
                 code: "client_closed_request".into(),
                 message: "the client closed the connection; the run was cancelled".into(),
                 param: None,
-            });
+            })));
         }
     };
     let finished = match waited {
         Ok(run) => run,
         Err(e) => {
             request.finish().await;
-            return Err(e);
+            return Ok(actix_web::Either::Left(final_error(&e)));
         }
     };
     let result = if finished.status == status::COMPLETED {
         answer(&state, request.thread_id, request.run_id).await.map(|a| completion(&chunker, &a, &finished))
     } else {
-        Err(run_error(&finished))
+        let mut error = run_error(&finished);
+        if error.code == "operation_uncertain" {
+            // agentloop_openai_release keeps such a thread (migration 000029).
+            error.message = format!(
+                "{} The call's outcome is unknown: it is kept for you to resolve in thread {} \
+                 (GET /api/runs/{}/operations); this request must not be sent again blindly.",
+                error.message, request.thread_id, request.run_id
+            );
+        }
+        Err(error)
     };
     request.finish().await;
-    result.map(|body| actix_web::Either::Left(HttpResponse::Ok().json(body)))
+    Ok(actix_web::Either::Left(match result {
+        Ok(body) => HttpResponse::Ok().json(body),
+        Err(e) => final_error(&e),
+    }))
+}
+
+/// The response of an error that happened after the request's run was created: the run may have
+/// executed tools with external effects, so the caller's SDK must not send the request again by
+/// itself. OpenAI's SDKs resend every 5xx (and 408, 409, 429) unless the response says
+/// `x-should-retry: false` (acceptance probe: one non-streaming request whose model failed after
+/// a payment tool ran performed the payment three times under three keys).
+fn final_error(error: &V1Error) -> HttpResponse {
+    let mut response = error.error_response();
+    response.headers_mut().insert(
+        actix_web::http::header::HeaderName::from_static("x-should-retry"),
+        actix_web::http::header::HeaderValue::from_static("false"),
+    );
+    response
 }
 
 /// Validates client tools: `type: "function"`, a name `^[a-zA-Z0-9_-]{1,64}$` used once,
@@ -229,7 +256,7 @@ async fn wait_for_end(state: &web::Data<AppState>, request: &HiddenRequest) -> R
         drop(conn);
         if matches!(current.status.as_str(), status::BLOCKED | status::WAITING_APPROVAL) {
             let error = (current.error_code.clone(), current.error_message.clone());
-            agentloop_shared::commands::cancel_run(&state.store, request.principal, request.run_id).await?;
+            agentloop_shared::commands::openai_cancel(&state.store, request.principal, request.thread_id).await?;
             let mut conn = state.pool.get().await?;
             current = runs::get(&mut conn, request.run_id).await?;
             (current.error_code, current.error_message) = error;

@@ -193,7 +193,7 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
                         }
                         s @ (status::WAITING_APPROVAL | status::BLOCKED) => {
                             // Nobody can resolve it for a stateless caller.
-                            let _ = agentloop_shared::commands::cancel_run(&state.store, request.principal, request.run_id).await;
+                            let _ = agentloop_shared::commands::openai_cancel(&state.store, request.principal, request.thread_id).await;
                             let code = p.pointer("/error/code").and_then(Value::as_str).unwrap_or(s).to_owned();
                             let message = p
                                 .pointer("/error/message")

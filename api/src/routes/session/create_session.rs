@@ -28,22 +28,18 @@ use crate::views::{SessionCreated, SignIn};
 )]
 pub async fn create_session(state: web::Data<AppState>, req: HttpRequest, body: crate::extract::Json<SignIn>) -> Result<HttpResponse, ApiError> {
     let ip = crate::extract::client_ip(&req, state.trusted_proxy_hops);
-    if let Some(ip) = ip {
-        state.limits.check_address(ip)?;
-    }
     let key = body.into_inner().key;
-    let invalid = || ApiError::Unauthenticated { code: "invalid_api_key", message: "the API key is unknown, revoked or expired".into() };
+    // 401, or 429 once the address used up its budget: only failures are refused
+    // (`extract::auth_failure`).
+    let invalid = || match crate::extract::auth_failure(&state, ip) {
+        ApiError::Unauthorized => ApiError::Unauthenticated { code: "invalid_api_key", message: "the API key is unknown, revoked or expired".into() },
+        refused => refused,
+    };
     if key.trim().is_empty() || key.len() > 256 {
-        if let Some(ip) = ip {
-            state.limits.record_failure(ip);
-        }
         return Err(invalid());
     }
     let mut conn = state.pool.get().await?;
     let Some(found) = auth::authenticate_key(&mut conn, key.trim()).await? else {
-        if let Some(ip) = ip {
-            state.limits.record_failure(ip);
-        }
         return Err(invalid());
     };
     state.limits.check_request(found.principal.id)?;
