@@ -173,12 +173,7 @@ pub async fn chat_completions(
     } else {
         let mut error = run_error(&finished);
         if error.code == "operation_uncertain" {
-            // agentloop_openai_release keeps such a thread (migration 000029).
-            error.message = format!(
-                "{} The call's outcome is unknown: it is kept for you to resolve in thread {} \
-                 (GET /api/runs/{}/operations); this request must not be sent again blindly.",
-                error.message, request.thread_id, request.run_id
-            );
+            error.message = super::uncertain_message(&error.message, request.thread_id, request.run_id);
         }
         Err(error)
     };

@@ -31,6 +31,16 @@ pub fn error_type(status: StatusCode) -> &'static str {
     }
 }
 
+/// The message of a run that ended with a call of unknown outcome (`operation_uncertain`): its
+/// own, and where the call is kept — agentloop_openai_release keeps such a thread instead of
+/// deleting it (migration 000029).
+pub fn uncertain_message(message: &str, thread_id: uuid::Uuid, run_id: uuid::Uuid) -> String {
+    format!(
+        "{message} The call's outcome is unknown: it is kept for you to resolve in thread {thread_id} \
+         (GET /api/runs/{run_id}/operations); this request must not be sent again blindly."
+    )
+}
+
 /// An error of a `/v1` route in OpenAI's shape, with the JSON path of the offending request
 /// field in `param` when there is one.
 #[derive(Debug)]

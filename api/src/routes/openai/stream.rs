@@ -200,6 +200,11 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
                                 .and_then(Value::as_str)
                                 .unwrap_or("the run needs a human decision, which a stateless request cannot give")
                                 .to_owned();
+                            let message = if code == "operation_uncertain" {
+                                super::uncertain_message(&message, request.thread_id, request.run_id)
+                            } else {
+                                message
+                            };
                             end = Some(End::Failed { code, message });
                         }
                         _ => {}
