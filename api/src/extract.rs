@@ -59,6 +59,18 @@ pub struct Authenticated(pub Principal, pub Option<Credential>, pub Via);
 #[derive(Debug, Clone, Copy)]
 pub struct AccessPrincipal(pub uuid::Uuid);
 
+/// An integer query parameter `name` with its `default` when absent, or 400 `invalid_query`
+/// naming it and its `range` when outside it. One rule for every bounded parameter (page sizes,
+/// byte budgets): a value outside its range is refused, never silently clamped (acceptance
+/// probe: `limit=-1` answered one item where the webhook deliveries refused `limit=0`).
+pub fn query_range(name: &str, value: Option<i64>, default: i64, range: std::ops::RangeInclusive<i64>) -> Result<i64, ApiError> {
+    match value {
+        None => Ok(default),
+        Some(v) if range.contains(&v) => Ok(v),
+        Some(v) => Err(ApiError::bad_request("invalid_query", format!("{name} must be within {}..={}, not {v}", range.start(), range.end()))),
+    }
+}
+
 /// The client's address: the TCP peer, or — behind `TRUSTED_PROXY_HOPS` proxies — the address
 /// the outermost trusted proxy saw (that many entries from the right of `X-Forwarded-For`).
 pub fn client_ip(req: &HttpRequest, trusted_hops: usize) -> Option<IpAddr> {

@@ -213,10 +213,13 @@ async fn paging_before_after_clamps_and_flags() {
     }
     assert_eq!(seen, range(21, 900));
 
-    // `take` clamps to 1..200.
-    assert_eq!(seqs(&page(&stack, &thread, "take=0").await["messages"]), vec![1000]);
-    assert_eq!(seqs(&page(&stack, &thread, "take=-7").await["messages"]), vec![1000]);
-    assert_eq!(page(&stack, &thread, "take=100000").await["messages"].as_array().unwrap().len(), 200);
+    // `take` is 1..=200: at both bounds a page, outside them 400 (never silently clamped).
+    assert_eq!(seqs(&page(&stack, &thread, "take=1").await["messages"]), vec![1000]);
+    assert_eq!(page(&stack, &thread, "take=200").await["messages"].as_array().unwrap().len(), 200);
+    for query in ["take=0", "take=-7", "take=201", "take=100000", "maxBytes=-1", "maxBytes=1", "maxBytes=999999999"] {
+        let r = c.get(&format!("/api/threads/{thread}/messages?{query}")).await.unwrap();
+        assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_query")), "{query}: {r:?}");
+    }
 
     // Another principal's thread is not found; bad numbers are invalid queries.
     let other = stack.client_for("mallory").unwrap();
@@ -251,9 +254,9 @@ async fn paging_is_byte_bounded_and_truncates_a_huge_message() {
     assert!(bytes(&p) <= 512 * KIB);
     assert_eq!(p["lastSequence"], 300);
     assert_eq!(p["hasMoreBefore"], true);
-    // maxBytes clamps to 64 KiB..2 MiB.
-    assert_eq!(count(&page(&stack, &thread, "before=301&take=200&maxBytes=1").await), 64 * KIB / each);
-    let p = page(&stack, &thread, "before=301&take=200&maxBytes=999999999").await;
+    // maxBytes is 64 KiB..=2 MiB.
+    assert_eq!(count(&page(&stack, &thread, "before=301&take=200&maxBytes=65536").await), 64 * KIB / each);
+    let p = page(&stack, &thread, "before=301&take=200&maxBytes=2097152").await;
     assert_eq!(count(&p), 2 * 1024 * KIB / each);
     assert!(bytes(&p) <= 2 * 1024 * KIB);
     assert_eq!(count(&page(&stack, &thread, "before=301&take=200&maxBytes=200000").await), 200_000 / each);

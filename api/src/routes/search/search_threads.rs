@@ -69,7 +69,7 @@ pub async fn search_threads(state: web::Data<AppState>, who: Authenticated, quer
         }
         return Ok(HttpResponse::Ok().json(json!({"threads": [], "messages": []})));
     };
-    let limit = query.limit.unwrap_or(20).clamp(1, 100);
+    let limit = crate::extract::query_range("limit", query.limit, 20, 1..=100)?;
     let mut conn = state.pool.get().await?;
     let found = crate::reads::search(&mut conn, who.0.id, &tsquery, limit).await?;
     Ok(HttpResponse::Ok().json(found))

@@ -30,7 +30,7 @@ const WIDEN_FLOOR_BYTES: usize = 8 * 1024;
 const WIDEN_BATCH: i64 = 64;
 
 /// Query: `before` / `after` (exclusive sequence bounds, each optional), `take` 1..200 (100),
-/// `maxBytes` 64 KiB..2 MiB (512 KiB). Out-of-range values are clamped.
+/// `maxBytes` 64 KiB..2 MiB (512 KiB). Out-of-range values are 400 `invalid_query`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(rename_all = "camelCase")]
@@ -39,10 +39,10 @@ pub struct PageQuery {
     pub before: Option<i64>,
     /// Exclusive lower sequence bound.
     pub after: Option<i64>,
-    /// Messages per page (out-of-range values are clamped).
+    /// Messages per page, 1..=200 (outside: 400 `invalid_query`).
     #[param(minimum = 1, maximum = 200)]
     pub take: Option<i64>,
-    /// Byte budget of the page (out-of-range values are clamped).
+    /// Byte budget of the page, 65536..=2097152 (outside: 400 `invalid_query`).
     #[param(minimum = 65536, maximum = 2097152)]
     pub max_bytes: Option<i64>,
 }
@@ -66,6 +66,7 @@ pub struct PageQuery {
     get, path = "/api/threads/{id}/messages", tag = "threads", operation_id = "list_messages",
     params(("id" = Uuid, Path, description = "Thread id"), PageQuery),
     responses((status = 200, description = "A page of active messages", body = crate::views::MessagePage),
+              (status = 400, description = "`invalid_query`: `take` or `maxBytes` out of range", body = crate::views::ErrorBody),
               (status = 404, description = "Not the caller's thread", body = crate::views::ErrorBody))
 )]
 pub async fn list_messages(
@@ -74,8 +75,8 @@ pub async fn list_messages(
     path: web::Path<Uuid>,
     query: web::Query<PageQuery>,
 ) -> Result<HttpResponse, ApiError> {
-    let take = query.take.unwrap_or(TAKE_DEFAULT).clamp(1, TAKE_MAX);
-    let max_bytes = query.max_bytes.unwrap_or(MAX_BYTES_DEFAULT).clamp(MAX_BYTES_MIN, MAX_BYTES_MAX) as usize;
+    let take = crate::extract::query_range("take", query.take, TAKE_DEFAULT, 1..=TAKE_MAX)?;
+    let max_bytes = crate::extract::query_range("maxBytes", query.max_bytes, MAX_BYTES_DEFAULT, MAX_BYTES_MIN..=MAX_BYTES_MAX)? as usize;
     let (after, before) = (query.after, query.before);
     let mut conn = state.pool.get().await?;
     let thread = threads::get_owned(&mut conn, path.into_inner(), who.0.id).await?.ok_or(ApiError::NotFound)?;

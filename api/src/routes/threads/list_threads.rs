@@ -15,7 +15,7 @@ use crate::views;
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
-    /// Page size (out-of-range values are clamped).
+    /// Page size, 1..=100 (outside: 400 `invalid_query`).
     #[param(minimum = 1, maximum = 100)]
     pub limit: Option<i64>,
     /// `nextCursor` of the previous page.
@@ -41,7 +41,7 @@ pub async fn list_threads(
 
 /// One page of [`list_threads`] for `principal` (shared with the MCP tool `list_threads`).
 pub async fn page(state: &AppState, principal: Uuid, limit: Option<i64>, cursor: Option<&str>) -> Result<serde_json::Value, ApiError> {
-    let limit = limit.unwrap_or(50).clamp(1, 100);
+    let limit = crate::extract::query_range("limit", limit, 50, 1..=100)?;
     let before = match cursor {
         Some(c) => Some(crate::extract::keyset_cursor(c)?),
         None => None,

@@ -53,10 +53,7 @@ pub async fn list_deliveries(
             return Err(ApiError::bad_request("invalid_query", format!("status must be pending, delivered or failed, not '{other}'")));
         }
     }
-    let limit = query.limit.unwrap_or(50);
-    if !(1..=200).contains(&limit) {
-        return Err(ApiError::bad_request("invalid_query", "limit must be within 1..=200"));
-    }
+    let limit = crate::extract::query_range("limit", query.limit, 50, 1..=200)?;
     arg["limit"] = limit.into();
     if let Some(cursor) = query.cursor.as_deref() {
         let (at, id) = crate::extract::keyset_cursor(cursor)?;
