@@ -281,6 +281,51 @@ async fn after_a_database_outage_no_worker_takes_the_runs_another_still_holds() 
     survive_an_outage("db_outage_two_workers", 2).await;
 }
 
+/// Another session holds the thread's row (`SELECT ... FOR UPDATE`: an operator's transaction, a
+/// long maintenance statement) for more than two leases while the run's answer arrives. The
+/// database answers everything else — the lease renewals go on — so the checkpoint waits and is
+/// written when the lock goes: one model call, no recovery, no fault. Before: the commit gave up
+/// at the lease's first deadline, the run was handed back and the answer paid again (acceptance
+/// probe: a 20 s lock with the default 15 s lease).
+#[tokio::test]
+async fn a_thread_row_locked_past_the_lease_keeps_the_paid_answer() {
+    let options = StackOptions {
+        worker_env: vec![("WORKER_LEASE_MS".into(), "3000".into()), ("WORKER_RENEW_MS".into(), "1000".into())],
+        ..Default::default()
+    };
+    let stack = Stack::start("thread_row_locked", options).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let text = "the answer that waited for a lock one two three four";
+    let turn = script(json!([{"text": text, "chunkDelayMs": 200}]));
+    let run = c.chat(&thread, &turn).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while stack.mock.requests().await.unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "the model call did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The answer streams for ~2 s; the row stays locked for 9 s (three leases).
+    let mut locker = stack.db.client().await.unwrap();
+    let tx = locker.transaction().await.unwrap();
+    tx.execute("SELECT 1 FROM threads WHERE id = $1::text::uuid FOR UPDATE", &[&thread]).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    let db = stack.db.client().await.unwrap();
+    let status: String = db.query_one("SELECT status FROM runs WHERE id = $1::text::uuid", &[&run]).await.unwrap().get(0);
+    assert_eq!(status, "running", "nothing could be written while the row was locked");
+    tx.commit().await.unwrap();
+
+    let done = c.wait_terminal(&run, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!((done["recoveries"].as_i64(), done["faults"].as_i64(), done["attempts"].as_i64()), (Some(0), Some(0), Some(1)), "{done}");
+    assert_eq!(stack.mock.requests().await.unwrap().len(), 1, "the answer was paid once");
+    let answers: i64 = db
+        .query_one("SELECT count(*) FROM messages WHERE role = 'assistant' AND content::text LIKE '%' || $1 || '%'", &[&text])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(answers, 1);
+}
+
 /// Per worker: one run whose answer arrives ~1 s into an 8 s outage, one that streams through it.
 async fn survive_an_outage(name: &str, workers: usize) {
     let cluster = PgCluster::start().unwrap();

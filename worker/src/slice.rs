@@ -135,15 +135,18 @@ pub struct Slice {
 
 impl Slice {
     /// Commits `commit` (with the usage accumulated since the last commit). Deadline: the
-    /// lease as last confirmed. `LeaseLost` when the fence failed.
+    /// lease as last confirmed (asked again while a paid answer is held: step::commit).
+    /// `LeaseLost` when the fence failed.
     pub(crate) async fn commit(&mut self, mut commit: Commit) -> Result<Committed, SliceError> {
         commit.usage = self.usage;
         let ends = commit.end.is_some();
-        let deadline = self.control.confirmed() + self.env.lease.saturating_sub(self.env.renew / 2);
+        let (control, margin) = (self.control.clone(), self.env.lease.saturating_sub(self.env.renew / 2));
+        let deadline = move || control.confirmed() + margin;
         let started = Instant::now();
-        // A paid answer is held through an outage (the write is fenced, see step::commit).
+        // A paid answer is held through an outage, and through a wait while the lease is still
+        // confirmed (the write is fenced, see step::commit).
         let hold = (!commit.messages.is_empty()).then(|| started + self.env.outage_hold);
-        let result = step::commit(&self.env.store, &self.lease, self.step_id, &commit, deadline, hold).await;
+        let result = step::commit(&self.env.store, &self.lease, self.step_id, &commit, &deadline, hold).await;
         metrics::histogram!("agentloop_commit_duration_seconds").record(started.elapsed().as_secs_f64());
         match result? {
             Some(done) => {

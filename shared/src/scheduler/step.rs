@@ -296,21 +296,29 @@ pub struct Identity {
 
 /// Applies `commit` for the leased run (step `step_id`, when the step row exists). `None` when
 /// the lease is gone (nothing was written). Retries transient faults and unknown outcomes
-/// (with the same commit id) until `deadline`.
+/// (with the same commit id) until `deadline()`: the lease as last confirmed, asked again when
+/// the retries run out.
 ///
 /// `hold`: for a commit that carries a paid model answer, the latest instant to keep retrying
-/// it through a database outage ([`StoreError::Outage`]) past `deadline`, every 1 s. Safe
-/// because the write is fenced (owner + fencing token, not the lease's expiry): when the
-/// database is back, the answer is saved if no other worker took the run meanwhile, else the
-/// fence answers `None`. The same commit id is sent every time, so an attempt whose outcome
-/// was unknown is found, not applied twice. Faults other than an outage are not held (a commit
-/// that fails on its own keeps the lease's deadline, so a poison run still ends).
+/// it past that deadline:
+/// - through a database outage ([`StoreError::Outage`]), every 1 s;
+/// - through other transient faults ([`StoreError::Unavailable`]: statement or lock timeouts)
+///   while the lease keeps being confirmed (`deadline()` moved on): the database answers the
+///   renewals but not this checkpoint — another session holds its thread's row (acceptance
+///   probe: a 20 s `SELECT ... FOR UPDATE` on the thread handed the run back and paid the
+///   answer again).
+///
+/// Safe because the write is fenced (owner + fencing token, not the lease's expiry): the answer
+/// is saved if no other worker took the run meanwhile, else the fence answers `None`. The same
+/// commit id is sent every time, so an attempt whose outcome was unknown is found, not applied
+/// twice. A commit that fails on its own while the lease is not confirmed keeps the lease's
+/// deadline, and every hold ends at `hold`, so a poison run still ends.
 pub async fn commit(
     store: &Store,
     lease: &Lease,
     step_id: Option<i64>,
     commit: &Commit,
-    deadline: Instant,
+    deadline: &(dyn Fn() -> Instant + Send + Sync),
     hold: Option<Instant>,
 ) -> Result<Option<Committed>, StoreError> {
     let mut arg = serde_json::to_value(commit).map_err(|e| StoreError::Deterministic { sqlstate: "XX000".into(), message: e.to_string() })?;
@@ -320,14 +328,22 @@ pub async fn commit(
         obj.insert("commitId".into(), json!(Uuid::new_v4()));
         obj.insert("stepId".into(), json!(step_id));
     }
-    let mut deadline = deadline;
+    let lease_deadline = deadline;
+    let mut deadline = lease_deadline();
+    let held = |hold: Option<Instant>| hold.is_some_and(|h| Instant::now() + OUTAGE_RETRY < h);
     let value = loop {
         match store.call("agentloop_commit", &arg, Replay::Safe, Some(deadline)).await {
-            Err(StoreError::Outage(message)) if hold.is_some_and(|h| Instant::now() + OUTAGE_RETRY < h) => {
+            Err(StoreError::Outage(message)) if held(hold) => {
                 tracing::warn!(run.id = %lease.run_id, error = %message, "database outage: holding the paid answer until it can be written");
                 metrics::counter!("agentloop_commits_held_total").increment(1);
                 tokio::time::sleep(OUTAGE_RETRY).await;
                 deadline = Instant::now() + OUTAGE_RETRY;
+            }
+            Err(StoreError::Unavailable(message)) if held(hold) && lease_deadline() > deadline => {
+                tracing::warn!(run.id = %lease.run_id, error = %message,
+                               "the lease is renewed but this checkpoint waits (a lock another session holds?): holding the paid answer");
+                metrics::counter!("agentloop_commits_held_total").increment(1);
+                deadline = lease_deadline();
             }
             result => break result?,
         }
