@@ -1,6 +1,7 @@
--- Reverts 000029: the definitions of 000005, 000014 and 000018.
+-- Reverts 000029: the definitions of 000005, 000008, 000014 and 000018.
 
 DROP FUNCTION agentloop_openai_cancel(jsonb);
+DROP FUNCTION agentloop_openai_release(uuid, boolean);
 
 CREATE OR REPLACE FUNCTION agentloop_lock_thread(p_thread uuid, p_owner uuid) RETURNS threads
 LANGUAGE plpgsql AS $$
@@ -28,7 +29,7 @@ BEGIN
     RETURN v_thread;
 END $$;
 
-CREATE OR REPLACE FUNCTION agentloop_openai_release(p_thread uuid)
+CREATE FUNCTION agentloop_openai_release(p_thread uuid)
  RETURNS boolean
  LANGUAGE plpgsql
 AS $function$
@@ -75,4 +76,44 @@ BEGIN
         PERFORM agentloop_send('agentloop_webhooks', '');
     END IF;
     RETURN NULL;
+END $$;
+
+CREATE OR REPLACE FUNCTION agentloop_openai_finish(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_thread uuid := (p ->> 'threadId')::uuid;
+    v_purged boolean;
+BEGIN
+    PERFORM 1 FROM threads WHERE id = v_thread AND owner_id = (p ->> 'principalId')::uuid
+                             AND metadata ->> 'stateless' = 'true' FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN '{"purged": false, "gone": true}'::jsonb;
+    END IF;
+    v_purged := agentloop_openai_release(v_thread);
+    PERFORM agentloop_notify(ARRAY[v_thread]);
+    RETURN jsonb_build_object('purged', v_purged, 'gone', v_purged);
+END $$;
+
+CREATE OR REPLACE FUNCTION agentloop_openai_sweep(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    q record;
+    v_purged int := 0;
+    v_pending int := 0;
+    v_threads uuid[] := '{}';
+BEGIN
+    FOR q IN SELECT thread_id FROM openai_requests WHERE expires_at < now()
+              ORDER BY expires_at LIMIT coalesce((p ->> 'limit')::int, 100) LOOP
+        PERFORM 1 FROM threads WHERE id = q.thread_id FOR NO KEY UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+        IF agentloop_openai_release(q.thread_id) THEN
+            v_purged := v_purged + 1;
+        ELSE
+            v_pending := v_pending + 1;
+            v_threads := v_threads || q.thread_id;
+        END IF;
+    END LOOP;
+    PERFORM agentloop_notify(v_threads);
+    RETURN jsonb_build_object(
+        'purged', v_purged, 'pending', v_pending,
+        'nextExpiryMs', (SELECT greatest((extract(epoch FROM (min(expires_at) - now())) * 1000)::bigint, 0)
+                           FROM openai_requests WHERE expires_at >= now()));
 END $$;

@@ -2,8 +2,9 @@
 --
 -- 1. A hidden thread whose run left an operation `uncertain` (a non-idempotent call that may
 --    have taken effect: the client went away mid-call, or the call's outcome was unknown and a
---    stateless caller cannot resolve it) is no longer deleted with its request: deleting it
---    erased the only record of an effect that may have happened. agentloop_openai_release keeps
+--    stateless caller cannot resolve it), or whose request was never answered after a tool call
+--    took effect (the client went away, the api died), is no longer deleted with its request:
+--    deleting it erased the only record of an effect that happened or may have happened. agentloop_openai_release keeps
 --    it as an ordinary thread of the principal — listed, titled so, its operation resolvable
 --    (`/api/runs/{id}/operations`) — and drops its request row, so it is hidden no more and no
 --    sweep deletes it. Threads without such an operation are deleted as before.
@@ -65,9 +66,15 @@ BEGIN
     RETURN jsonb_build_object('runs', v_runs);
 END $$;
 
--- As in 000014, but a thread whose runs left an uncertain operation is kept (1. above).
--- Returns whether the request is over (the thread deleted or kept).
-CREATE OR REPLACE FUNCTION agentloop_openai_release(p_thread uuid) RETURNS boolean LANGUAGE plpgsql AS $$
+-- As in 000014, but a thread is kept instead of deleted (1. above) when a run of it left an
+-- operation uncertain, or when its request ends without its answer delivered (the client went
+-- away, the api died: `p_delivered` false) after a tool call took effect — the client cannot
+-- know what happened, and a resend would do it again. Returns whether the request is over
+-- (the thread deleted or kept).
+DROP FUNCTION agentloop_openai_release(uuid);
+CREATE FUNCTION agentloop_openai_release(p_thread uuid, p_delivered boolean) RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    v_uncertain boolean;
 BEGIN
     PERFORM agentloop_cancel_all(p_thread);
     IF EXISTS (SELECT 1 FROM runs WHERE thread_id = p_thread
@@ -75,9 +82,11 @@ BEGIN
         UPDATE openai_requests SET expires_at = least(expires_at, now()) WHERE thread_id = p_thread;
         RETURN false;
     END IF;
-    IF EXISTS (SELECT 1 FROM operations WHERE thread_id = p_thread AND status IN ('dispatched', 'uncertain')) THEN
+    v_uncertain := EXISTS (SELECT 1 FROM operations WHERE thread_id = p_thread AND status IN ('dispatched', 'uncertain'));
+    IF v_uncertain OR (NOT p_delivered AND EXISTS (SELECT 1 FROM operations WHERE thread_id = p_thread)) THEN
         DELETE FROM openai_requests WHERE thread_id = p_thread;
-        UPDATE threads SET title = 'OpenAI request with a tool call of unknown outcome',
+        UPDATE threads SET title = CASE WHEN v_uncertain THEN 'OpenAI request with a tool call of unknown outcome'
+                                        ELSE 'OpenAI request not answered after its tool calls took effect' END,
                            metadata = (metadata - 'stateless') || '{"openaiRequest": true}'::jsonb,
                            updated_at = now()
          WHERE id = p_thread;
@@ -85,6 +94,49 @@ BEGIN
     END IF;
     DELETE FROM threads WHERE id = p_thread;
     RETURN true;
+END $$;
+
+-- As in 000008, with p.delivered (default true): whether the caller answered the request
+-- (agentloop_openai_release). Returns {purged, gone}.
+CREATE OR REPLACE FUNCTION agentloop_openai_finish(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_thread uuid := (p ->> 'threadId')::uuid;
+    v_purged boolean;
+BEGIN
+    PERFORM 1 FROM threads WHERE id = v_thread AND owner_id = (p ->> 'principalId')::uuid
+                             AND metadata ->> 'stateless' = 'true' FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN '{"purged": false, "gone": true}'::jsonb;
+    END IF;
+    v_purged := agentloop_openai_release(v_thread, coalesce((p ->> 'delivered')::boolean, true));
+    PERFORM agentloop_notify(ARRAY[v_thread]);
+    RETURN jsonb_build_object('purged', v_purged, 'gone', v_purged);
+END $$;
+
+-- As in 000008: a request the sweep ends was never answered (its api died or let it go).
+CREATE OR REPLACE FUNCTION agentloop_openai_sweep(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    q record;
+    v_purged int := 0;
+    v_pending int := 0;
+    v_threads uuid[] := '{}';
+BEGIN
+    FOR q IN SELECT thread_id FROM openai_requests WHERE expires_at < now()
+              ORDER BY expires_at LIMIT coalesce((p ->> 'limit')::int, 100) LOOP
+        PERFORM 1 FROM threads WHERE id = q.thread_id FOR NO KEY UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+        IF agentloop_openai_release(q.thread_id, false) THEN
+            v_purged := v_purged + 1;
+        ELSE
+            v_pending := v_pending + 1;
+            v_threads := v_threads || q.thread_id;
+        END IF;
+    END LOOP;
+    PERFORM agentloop_notify(v_threads);
+    RETURN jsonb_build_object(
+        'purged', v_purged, 'pending', v_pending,
+        'nextExpiryMs', (SELECT greatest((extract(epoch FROM (min(expires_at) - now())) * 1000)::bigint, 0)
+                           FROM openai_requests WHERE expires_at >= now()));
 END $$;
 
 -- As in 000018, but no delivery for a run of a hidden thread (3. above).

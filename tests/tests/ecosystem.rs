@@ -261,7 +261,8 @@ async fn openai_non_streaming_client_disconnect_cancels_the_run() {
 ///   (OpenAI's SDKs resend every 5xx without it), the effect ran once;
 /// - the client goes away while the effect runs: the run is cancelled, its operation stays
 ///   `uncertain`, and the thread is kept as an ordinary thread of the principal where the
-///   operation can be resolved, instead of being deleted with the request.
+///   operation can be resolved, instead of being deleted with the request;
+/// - the client goes away after an effect completed, before the answer: the thread is kept too.
 #[tokio::test]
 async fn openai_an_effect_is_never_resent_nor_forgotten() {
     let options = StackOptions { worker_env: vec![("AGENTLOOP_TEST_TOOLS".into(), "1".into())], ..Default::default() };
@@ -327,6 +328,40 @@ async fn openai_an_effect_is_never_resent_nor_forgotten() {
     // Nothing sweeps it later.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(c.get(&format!("/api/threads/{thread}")).await.unwrap().status, 200);
+
+    // The client goes away after an effect completed, while the answer streams: it never learns
+    // of the effect, so its thread is kept too (with the operation `completed`).
+    let words: Vec<String> = (0..40).map(|i| format!("w{i}")).collect();
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "done"}}]}, {"text": words.join(" "), "chunkDelayMs": 250}]);
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
+    let request = http.post(&url).bearer_auth(&stack.key).json(&body).send();
+    let answering = async {
+        while effects("done").await == 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The answer after the effect takes 10 s: it is streaming by now.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    };
+    tokio::select! {
+        r = request => panic!("answered too early: {r:?}"),
+        () = answering => {}
+    }
+    let deadline = Instant::now() + T;
+    let kept: uuid::Uuid = loop {
+        let row = db
+            .query_opt("SELECT id FROM threads WHERE metadata ->> 'openaiRequest' = 'true' AND id <> $1", &[&thread])
+            .await
+            .unwrap();
+        if let Some(row) = row {
+            break row.get(0);
+        }
+        assert!(Instant::now() < deadline, "the thread of the unanswered effect was not kept");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let status: String = db.query_one("SELECT status FROM operations WHERE thread_id = $1", &[&kept]).await.unwrap().get(0);
+    assert_eq!(status, "completed");
+    assert_eq!(effects("done").await, 1);
+    wait_no_hidden(&stack, Duration::from_secs(10)).await;
 }
 
 /// The api process dies mid-stream: its request leases expire and the workers' sweep cancels the

@@ -5,7 +5,9 @@
 //! lease: ONE keeper task renews every open request of the process in one statement every
 //! lease/3. A [`HiddenRequest`] is the handle of one request:
 //! - [`HiddenRequest::finish`] after the answer: the run is cancelled if still active and the
-//!   thread deleted (`agentloop_openai_finish`); a stateless API keeps no conversation;
+//!   thread deleted (`agentloop_openai_finish`); a stateless API keeps no conversation — except
+//!   the record of an external effect the client cannot know about (a call of unknown outcome;
+//!   a request not answered after a call took effect): that thread is kept (migration 000029);
 //! - dropping it unfinished (the client disconnected, the handler future was dropped) does the
 //!   same from a spawned task: the run is cancelled at once — a running run's worker aborts at
 //!   its next safe point — and the thread is deleted as soon as the run has ended;
@@ -92,12 +94,13 @@ impl HiddenRequests {
         }
     }
 
-    /// Cancels and deletes the hidden thread; when its run is still ending, waits for it (up to
+    /// Cancels and deletes the hidden thread (or keeps it: `delivered`, see
+    /// [`commands::openai_finish`]); when its run is still ending, waits for it (up to
     /// [`RELEASE_WAIT`]) and deletes it then.
-    async fn release(self: Arc<Self>, principal: Uuid, thread_id: Uuid, run_id: Uuid) {
+    async fn release(self: Arc<Self>, principal: Uuid, thread_id: Uuid, run_id: Uuid, delivered: bool) {
         let deadline = tokio::time::Instant::now() + RELEASE_WAIT;
         loop {
-            match commands::openai_finish(&self.store, principal, thread_id).await {
+            match commands::openai_finish(&self.store, principal, thread_id, delivered).await {
                 Ok(true) => return,
                 Ok(false) => {}
                 Err(error) => tracing::warn!(%error, thread.id = %thread_id, "releasing a hidden thread failed; retrying"),
@@ -136,10 +139,10 @@ impl HiddenRequest {
     pub async fn finish(mut self) {
         self.done = true;
         self.registry.close(self.thread_id);
-        match commands::openai_finish(&self.registry.store, self.principal, self.thread_id).await {
+        match commands::openai_finish(&self.registry.store, self.principal, self.thread_id, true).await {
             Ok(true) => {}
             Ok(false) | Err(_) => {
-                tokio::spawn(self.registry.clone().release(self.principal, self.thread_id, self.run_id));
+                tokio::spawn(self.registry.clone().release(self.principal, self.thread_id, self.run_id, true));
             }
         }
     }
@@ -153,6 +156,6 @@ impl Drop for HiddenRequest {
         self.registry.close(self.thread_id);
         tracing::info!(thread.id = %self.thread_id, run.id = %self.run_id, "OpenAI request abandoned by its client: cancelling its run");
         metrics::counter!("agentloop_openai_abandoned_total").increment(1);
-        tokio::spawn(self.registry.clone().release(self.principal, self.thread_id, self.run_id));
+        tokio::spawn(self.registry.clone().release(self.principal, self.thread_id, self.run_id, false));
     }
 }
