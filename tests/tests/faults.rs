@@ -326,6 +326,56 @@ async fn a_thread_row_locked_past_the_lease_keeps_the_paid_answer() {
     assert_eq!(answers, 1);
 }
 
+/// Another session holds one thread's row while two runs stream on the same worker: the other
+/// run's live answer keeps flowing (its `streaming` events keep arriving while the row is held),
+/// and both runs complete with one model call each. Before: the one flush of all the worker's
+/// streams waited for the held row, freezing every stream of the worker (and the checkpoints
+/// that wait for the flush) until it timed out (acceptance probe; migration 000030).
+#[tokio::test]
+async fn a_locked_thread_does_not_freeze_the_other_streams_of_its_worker() {
+    let stack = Stack::start("locked_thread_streams", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let words: Vec<String> = (0..30).map(|i| format!("w{i}")).collect();
+    let mut runs = Vec::new();
+    let mut threads = Vec::new();
+    for _ in 0..2 {
+        let thread = c.create_thread().await.unwrap();
+        let turn = script(json!([{"text": words.join(" "), "chunkDelayMs": 200}]));
+        runs.push(c.chat(&thread, &turn).await.unwrap()["run"]["id"].as_str().unwrap().to_owned());
+        threads.push(thread);
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while stack.mock.requests().await.unwrap().len() < 2 {
+        assert!(Instant::now() < deadline, "the model calls did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let db = stack.db.client().await.unwrap();
+    let streamed = |thread: String| {
+        let db = &db;
+        async move {
+            db.query_one("SELECT count(*) FROM thread_events WHERE thread_id = $1::text::uuid AND kind = 'streaming'", &[&thread])
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    let mut locker = stack.db.client().await.unwrap();
+    let tx = locker.transaction().await.unwrap();
+    tx.execute("SELECT 1 FROM threads WHERE id = $1::text::uuid FOR UPDATE", &[&threads[0]]).await.unwrap();
+    let before = streamed(threads[1].clone()).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = streamed(threads[1].clone()).await - before;
+    assert!(during >= 5, "the other stream kept flowing while one thread was held: {during} events in 3 s");
+    tx.commit().await.unwrap();
+    for run in &runs {
+        let done = c.wait_terminal(run, Duration::from_secs(30)).await.unwrap();
+        assert_eq!(done["status"], "completed", "{done}");
+    }
+    assert_eq!(stack.mock.requests().await.unwrap().len(), 2, "one model call each");
+    let held = streamed(threads[0].clone()).await;
+    assert!(held >= 1, "the held thread's text was sent once its row was free: {held} events");
+}
+
 /// Per worker: one run whose answer arrives ~1 s into an 8 s outage, one that streams through it.
 async fn survive_an_outage(name: &str, workers: usize) {
     let cluster = PgCluster::start().unwrap();

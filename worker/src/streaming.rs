@@ -6,6 +6,10 @@
 //! database work per streaming run is therefore bounded by the flush rate, not by the token
 //! rate, and a thousand streams cost one transaction per tick.
 //!
+//! A thread another session holds is skipped, not waited for (SKIP LOCKED, migration 000030):
+//! one locked thread must not freeze every other stream of the worker, nor the commits that
+//! wait for the flush in progress; its text goes with the next flush.
+//!
 //! A slice [`StreamHub::open`]s a stream before its model call and [`Stream::finish`]es it
 //! before it commits the answer: `finish` waits for a flush in progress, so no streaming event of
 //! the call can land after the committed message. Dropping a [`Stream`] (an aborted slice, a
@@ -126,10 +130,14 @@ impl StreamHub {
         }
         let items: Vec<StreamItem> = pending.iter().map(|(item, ..)| item.clone()).collect();
         match step::flush_streams(store, owner, &items).await {
-            Ok(lost) => {
+            Ok(unflushed) => {
                 for (item, partial, control, sent) in &pending {
-                    if lost.contains(&item.run_id) {
+                    if unflushed.lost.contains(&item.run_id) {
                         control.abort(AbortReason::LeaseLost);
+                        continue;
+                    }
+                    if unflushed.skipped.contains(&item.run_id) {
+                        // Its thread was held by another session: not advanced, sent again.
                         continue;
                     }
                     let mut p = partial.lock().expect("partial lock");

@@ -391,13 +391,25 @@ pub struct StreamSnapshot {
     pub reasoning: String,
 }
 
-/// Writes the streaming progress of every item whose lease `owner` still holds, in one
-/// transaction. Returns the runs whose lease is gone. Not retried: the next flush resends from
-/// the last confirmed offset, and offsets make an overlap harmless.
-pub async fn flush_streams(store: &Store, owner: &str, items: &[StreamItem]) -> Result<Vec<Uuid>, StoreError> {
+/// What a stream flush did not write ([`flush_streams`]).
+#[derive(Debug, Default, Deserialize)]
+pub struct Unflushed {
+    /// Runs whose lease is gone: their slices stop.
+    pub lost: Vec<Uuid>,
+    /// Runs whose thread another session held (SKIP LOCKED, migration 000030): sent again by the
+    /// next flush.
+    #[serde(default)]
+    pub skipped: Vec<Uuid>,
+}
+
+/// Writes the streaming progress of every item whose lease `owner` still holds and whose thread
+/// no other session holds, in one transaction. Returns the runs whose lease is gone and those
+/// skipped. Not retried: the next flush resends from the last confirmed offset, and offsets make
+/// an overlap harmless.
+pub async fn flush_streams(store: &Store, owner: &str, items: &[StreamItem]) -> Result<Unflushed, StoreError> {
     let arg = json!({"owner": owner, "items": items});
     let value = store.call("agentloop_stream", &arg, Replay::Safe, Some(Instant::now())).await?;
-    decode(value["lost"].clone())
+    decode(value)
 }
 
 /// Records the known outcome (`completed` | `failed`, with its result text) of operation `key`
