@@ -335,7 +335,8 @@ async fn a_thread_row_locked_past_the_lease_keeps_the_paid_answer() {
 async fn a_locked_thread_does_not_freeze_the_other_streams_of_its_worker() {
     let stack = Stack::start("locked_thread_streams", StackOptions::default()).await.unwrap();
     let c = stack.client();
-    let words: Vec<String> = (0..30).map(|i| format!("w{i}")).collect();
+    // 150 words in chunks of ~3, 200 ms apart: ~10 s of streaming each.
+    let words: Vec<String> = (0..150).map(|i| format!("w{i}")).collect();
     let mut runs = Vec::new();
     let mut threads = Vec::new();
     for _ in 0..2 {
