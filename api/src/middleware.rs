@@ -213,6 +213,11 @@ async fn admit(req: &mut ServiceRequest, bounds: &BodyBounds<'_>) -> Result<Opti
     if query.contains('\0') || query.to_ascii_lowercase().contains("%00") {
         return Err(ApiError::bad_request("invalid_query", "the query string may not contain NUL (%00)"));
     }
+    // The query extractor decodes invalid UTF-8 lossily (U+FFFD): `search?q=%FF%FE` searched for
+    // replacement characters and answered 200 (acceptance probe).
+    if percent_encoding::percent_decode_str(query).decode_utf8().is_err() {
+        return Err(ApiError::bad_request("invalid_query", "the query string is not UTF-8 once percent-decoded"));
+    }
     if matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
         return Ok(None);
     }
