@@ -2,8 +2,8 @@
 --
 -- 1. A hidden thread whose run left an operation `uncertain` (a non-idempotent call that may
 --    have taken effect: the client went away mid-call, or the call's outcome was unknown and a
---    stateless caller cannot resolve it), or whose request was never answered after a tool call
---    took effect (the client went away, the api died), is no longer deleted with its request:
+--    stateless caller cannot resolve it), or whose request ended without its answer after a tool
+--    call took effect (the run failed, the client went away, the api died), is no longer deleted:
 --    deleting it erased the only record of an effect that happened or may have happened. agentloop_openai_release keeps
 --    it as an ordinary thread of the principal — listed, titled so, its operation resolvable
 --    (`/api/runs/{id}/operations`) — and drops its request row, so it is hidden no more and no
@@ -67,9 +67,9 @@ BEGIN
 END $$;
 
 -- As in 000014, but a thread is kept instead of deleted (1. above) when a run of it left an
--- operation uncertain, or when its request ends without its answer delivered (the client went
--- away, the api died: `p_delivered` false) after a tool call took effect — the client cannot
--- know what happened, and a resend would do it again. Returns whether the request is over
+-- operation uncertain, or when its request ends without its answer delivered (`p_delivered`
+-- false: the run failed, the client went away, the api died) after a tool call took effect —
+-- the client cannot know what happened, and a resend would do it again. Returns whether the request is over
 -- (the thread deleted or kept).
 DROP FUNCTION agentloop_openai_release(uuid);
 CREATE FUNCTION agentloop_openai_release(p_thread uuid, p_delivered boolean) RETURNS boolean LANGUAGE plpgsql AS $$
@@ -96,7 +96,7 @@ BEGIN
     RETURN true;
 END $$;
 
--- As in 000008, with p.delivered (default true): whether the caller answered the request
+-- As in 000008, with p.delivered (default true): whether the client got the run's answer
 -- (agentloop_openai_release). Returns {purged, gone}.
 CREATE OR REPLACE FUNCTION agentloop_openai_finish(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE

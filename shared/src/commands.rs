@@ -291,9 +291,9 @@ pub async fn openai_renew(store: &Store, holder: &str, lease_ms: u64, threads: &
 /// else releases it for the sweep (`agentloop_openai_finish`). Idempotent. Returns whether the
 /// thread is gone.
 ///
-/// `delivered`: whether the request was answered (its answer or error reached the client); a
-/// thread whose request was not answered after a tool call took effect is kept (migration
-/// 000029), as is one whose run left a call of unknown outcome.
+/// `delivered`: whether the client got the run's answer (an error does not count: it does not
+/// tell what the tool calls did); a thread whose request ended without it after a tool call
+/// took effect is kept (migration 000029), as is one whose run left a call of unknown outcome.
 pub async fn openai_finish(store: &Store, principal: Uuid, thread_id: Uuid, delivered: bool) -> Result<bool, StoreError> {
     let arg = json!({"principalId": principal, "threadId": thread_id, "delivered": delivered});
     let value = run(store, "agentloop_openai_finish", &arg, Replay::Safe).await?;

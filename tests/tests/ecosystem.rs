@@ -258,7 +258,8 @@ async fn openai_non_streaming_client_disconnect_cancels_the_run() {
 /// official SDK resent a request whose model failed after a payment tool ran — three payments
 /// under three keys — and a client that went away mid-payment left no record of it).
 /// - the model fails after the effect: 502 `model_unavailable` with `x-should-retry: false`
-///   (OpenAI's SDKs resend every 5xx without it), the effect ran once;
+///   (OpenAI's SDKs resend every 5xx without it), the effect ran once, and the thread is kept
+///   (the error does not tell what the tool did); a failed request without effects keeps nothing;
 /// - the client goes away while the effect runs: the run is cancelled, its operation stays
 ///   `uncertain`, and the thread is kept as an ordinary thread of the principal where the
 ///   operation can be resolved, instead of being deleted with the request;
@@ -283,9 +284,18 @@ async fn openai_an_effect_is_never_resent_nor_forgotten() {
     let error: Value = r.json().await.unwrap();
     assert_eq!(error["error"]["code"], "model_unavailable", "{error}");
     assert_eq!(effects("paid").await, 1);
+    // The error does not tell the client that the payment happened: its thread is kept.
     wait_no_hidden(&stack, Duration::from_secs(10)).await;
-    let kept: i64 = db.query_one("SELECT count(*) FROM threads", &[]).await.unwrap().get(0);
-    assert_eq!(kept, 0, "a completed effect needs no record: the thread is deleted");
+    let paid: uuid::Uuid = db.query_one("SELECT id FROM threads WHERE metadata ->> 'openaiRequest' = 'true'", &[]).await.unwrap().get(0);
+    let status: String = db.query_one("SELECT status FROM operations WHERE thread_id = $1", &[&paid]).await.unwrap().get(0);
+    assert_eq!(status, "completed");
+    // A failed request without effects keeps nothing.
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(json!([{"status": 500}]))}]});
+    let r = http.post(&url).bearer_auth(&stack.key).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 502);
+    wait_no_hidden(&stack, Duration::from_secs(10)).await;
+    let threads: i64 = db.query_one("SELECT count(*) FROM threads", &[]).await.unwrap().get(0);
+    assert_eq!(threads, 1, "only the thread with the effect is kept");
 
     let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "slow", "seconds": 30}}]}, {"text": "never"}]);
     let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
@@ -303,7 +313,7 @@ async fn openai_an_effect_is_never_resent_nor_forgotten() {
     let deadline = Instant::now() + T;
     let thread: uuid::Uuid = loop {
         let row = db
-            .query_opt("SELECT id FROM threads WHERE metadata ->> 'openaiRequest' = 'true' AND NOT EXISTS (SELECT 1 FROM openai_requests)", &[])
+            .query_opt("SELECT id FROM threads WHERE metadata ->> 'openaiRequest' = 'true' AND id <> $1 AND NOT EXISTS (SELECT 1 FROM openai_requests)", &[&paid])
             .await
             .unwrap();
         if let Some(row) = row {
@@ -349,7 +359,7 @@ async fn openai_an_effect_is_never_resent_nor_forgotten() {
     let deadline = Instant::now() + T;
     let kept: uuid::Uuid = loop {
         let row = db
-            .query_opt("SELECT id FROM threads WHERE metadata ->> 'openaiRequest' = 'true' AND id <> $1", &[&thread])
+            .query_opt("SELECT id FROM threads WHERE metadata ->> 'openaiRequest' = 'true' AND id <> $1 AND id <> $2", &[&thread, &paid])
             .await
             .unwrap();
         if let Some(row) = row {

@@ -164,7 +164,7 @@ pub async fn chat_completions(
     let finished = match waited {
         Ok(run) => run,
         Err(e) => {
-            request.finish().await;
+            request.finish(false).await;
             return Ok(actix_web::Either::Left(final_error(&e)));
         }
     };
@@ -177,7 +177,7 @@ pub async fn chat_completions(
         }
         Err(error)
     };
-    request.finish().await;
+    request.finish(result.is_ok()).await;
     Ok(actix_web::Either::Left(match result {
         Ok(body) => HttpResponse::Ok().json(body),
         Err(e) => final_error(&e),

@@ -134,15 +134,17 @@ pub struct HiddenRequest {
 }
 
 impl HiddenRequest {
-    /// The request was answered (or failed): cancel what is still active and delete the thread
-    /// (in the background when the run still has to end).
-    pub async fn finish(mut self) {
+    /// The request ended: cancel what is still active and delete the thread (in the background
+    /// when the run still has to end). `answered`: the client got the run's answer — else (an
+    /// error, a timeout) a thread whose tool calls took effect is kept, as the record of what
+    /// the client was not told ([`commands::openai_finish`]).
+    pub async fn finish(mut self, answered: bool) {
         self.done = true;
         self.registry.close(self.thread_id);
-        match commands::openai_finish(&self.registry.store, self.principal, self.thread_id, true).await {
+        match commands::openai_finish(&self.registry.store, self.principal, self.thread_id, answered).await {
             Ok(true) => {}
             Ok(false) | Err(_) => {
-                tokio::spawn(self.registry.clone().release(self.principal, self.thread_id, self.run_id, true));
+                tokio::spawn(self.registry.clone().release(self.principal, self.thread_id, self.run_id, answered));
             }
         }
     }

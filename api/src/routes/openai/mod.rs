@@ -36,8 +36,9 @@ pub fn error_type(status: StatusCode) -> &'static str {
 /// deleting it (migration 000029).
 pub fn uncertain_message(message: &str, thread_id: uuid::Uuid, run_id: uuid::Uuid) -> String {
     format!(
-        "{message} The call's outcome is unknown: it is kept for you to resolve in thread {thread_id} \
-         (GET /api/runs/{run_id}/operations); this request must not be sent again blindly."
+        "{}. The call's outcome is unknown: it is kept for you to resolve in thread {thread_id} \
+         (GET /api/runs/{run_id}/operations); this request must not be sent again blindly.",
+        message.trim_end().trim_end_matches('.')
     )
 }
 

@@ -248,6 +248,7 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
             }
         }
     }
+    let answered = matches!(end, Some(End::Completed { .. }));
     match end {
         Some(End::Completed { prompt, completion }) => {
             let mut events = Vec::new();
@@ -275,7 +276,7 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
         }
         None => {}
     }
-    request.finish().await;
+    request.finish(answered).await;
 }
 
 #[cfg(test)]
