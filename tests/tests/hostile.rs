@@ -426,7 +426,8 @@ async fn hostile_bad_input_gets_4xx_envelopes_and_every_answer_the_hygiene_heade
     // Every bounded number is refused outside its range, never clamped, and a query that is not
     // UTF-8 is refused, not decoded lossily (acceptance probe).
     for path in ["/api/threads?limit=0", "/api/threads?limit=-1", "/api/threads?limit=101", "/api/search?q=word&limit=-1", "/api/search?q=word&limit=101",
-                 "/api/search?q=%FF%FE"] {
+                 "/api/search?q=%FF%FE", &format!("/api/threads/{thread}/updates?timeoutMs=60001"),
+                 &format!("/api/threads/{thread}/updates?timeoutMs=-1")] {
         check(http.get(url(path)).bearer_auth(&stack.key).send().await.unwrap(), 400, "invalid_query").await;
     }
     check(http.get(url("/api/nothing/here")).bearer_auth(&stack.key).send().await.unwrap(), 404, "route_not_found").await;

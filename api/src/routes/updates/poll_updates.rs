@@ -24,9 +24,10 @@ const MAX_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct PollQuery {
     /// Journal sequence to resume after (omit: the present).
     pub after_sequence: Option<i64>,
-    /// Longest wait in ms (above the server's `LONG_POLL_MAX_MS` it is cut to it).
+    /// Longest wait in ms, 0..=60000 (else 400 `invalid_query`); above the server's
+    /// `LONG_POLL_MAX_MS` it is cut to it.
     #[param(minimum = 0, maximum = 60000)]
-    pub timeout_ms: Option<u64>,
+    pub timeout_ms: Option<i64>,
 }
 
 /// Returns at once when events newer than the cursor exist, else waits up to the timeout for
@@ -51,7 +52,11 @@ pub async fn poll_updates(
     query: web::Query<PollQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let requested = resume_cursor(&req, query.after_sequence)?;
-    let timeout = query.timeout_ms.map_or(state.long_poll_timeout, Duration::from_millis).min(MAX_TIMEOUT).min(state.long_poll_max);
+    let timeout = match query.timeout_ms {
+        None => state.long_poll_timeout,
+        Some(ms) => Duration::from_millis(crate::extract::query_range("timeoutMs", Some(ms), 0, 0..=MAX_TIMEOUT.as_millis() as i64)? as u64),
+    }
+    .min(state.long_poll_max);
     let guard = state.limits.open_live(who.0.id, who.1)?;
     let revoked = guard.revoked();
     let thread_id = path.into_inner();
