@@ -438,6 +438,11 @@ impl CpuWindow {
     /// "machine 1.95 of 2 cores busy; cores used by workers 0.62, mock-model 0.11, PostgreSQL
     /// backends 0.9". `backends`: the backends of the benchmark database now.
     fn end(&self, backends: &[i32]) -> String {
+        self.end_use(backends).text
+    }
+
+    /// [`Self::end`] with the cores the PostgreSQL backends used (CPU seconds / wall seconds).
+    fn end_use(&self, backends: &[i32]) -> CpuUse {
         let secs = self.start.elapsed().as_secs_f64().max(1e-9);
         let (busy, total) = machine_jiffies();
         let frac = (busy - self.machine.0) as f64 / ((total - self.machine.1) as f64).max(1.0);
@@ -452,7 +457,25 @@ impl CpuWindow {
         let server: f64 = backends.iter().map(|pid| process_cpu_secs(*pid) - self.backends.get(pid).copied().unwrap_or(0.0)).sum();
         by_name.push((format!("{} PostgreSQL backends", backends.len()), server));
         let parts: Vec<String> = by_name.iter().map(|(n, v)| format!("{n} {:.2}", v / secs)).collect();
-        format!("machine {:.2} of {} cores busy; cores used by {}", frac * cpus() as f64, cpus(), parts.join(", "))
+        CpuUse {
+            text: format!("machine {:.2} of {} cores busy; cores used by {}", frac * cpus() as f64, cpus(), parts.join(", ")),
+            server_cores: server / secs,
+        }
+    }
+}
+
+/// What [`CpuWindow::end_use`] measured.
+struct CpuUse {
+    /// The line printed as "CPU: ...".
+    text: String,
+    /// Cores used by the benchmark database's PostgreSQL backends over the window.
+    server_cores: f64,
+}
+
+impl CpuUse {
+    /// PostgreSQL CPU per unit of work in ms: backend cores / units per second.
+    fn server_ms_per(&self, per_second: f64) -> f64 {
+        self.server_cores * 1000.0 / per_second
     }
 }
 
@@ -580,18 +603,32 @@ async fn pgbench_init(pgbench: &Path, url: &str, scale: u32) -> Result<()> {
     Ok(())
 }
 
-async fn pgbench_tps(pgbench: &Path, url: &str, clients: u32, seconds: u32) -> Result<f64> {
+/// `pgbench -N` on `db` for `seconds`: (TPS, PostgreSQL CPU ms per transaction, measured on
+/// its backends from 0.5 s after the start to 1 s before the end).
+async fn pgbench_tps(pgbench: &Path, db: &Database, clients: u32, seconds: u32) -> Result<(f64, f64)> {
     let threads = (cpus() as u32).clamp(1, clients.max(1));
-    let out = tokio::process::Command::new(pgbench)
-        .args(["-N", "-c", &clients.to_string(), "-j", &threads.to_string(), "-T", &seconds.to_string(), url])
+    let admin = connect(&admin_url()).await?;
+    let child = tokio::process::Command::new(pgbench)
+        .args(["-N", "-c", &clients.to_string(), "-j", &threads.to_string(), "-T", &seconds.to_string(), &db.url])
         .kill_on_drop(true)
-        .output()
-        .await?;
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {}", pgbench.display()))?;
+    let window = Duration::from_secs(u64::from(seconds)).saturating_sub(Duration::from_millis(1500)).max(Duration::from_millis(500));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let backends = backend_pids(&admin, &db.name).await?;
+    let cpu = CpuWindow::begin(&[], &backends);
+    tokio::time::sleep(window).await;
+    let cpu = cpu.end_use(&backends);
+    let out = child.wait_with_output().await?;
     let text = String::from_utf8_lossy(&out.stdout);
     ensure!(out.status.success(), "pgbench failed: {text}{}", String::from_utf8_lossy(&out.stderr));
-    text.lines()
+    let tps: f64 = text
+        .lines()
         .find_map(|l| l.strip_prefix("tps = ").and_then(|r| r.split_whitespace().next()).and_then(|v| v.parse().ok()))
-        .ok_or_else(|| anyhow!("no `tps = ` line in pgbench output: {text}"))
+        .ok_or_else(|| anyhow!("no `tps = ` line in pgbench output: {text}"))?;
+    Ok((tps, cpu.server_ms_per(tps)))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -823,7 +860,7 @@ struct Throughput {
     /// Plannings and planning time (ms) over phase 1, nested statements included, when
     /// `pg_stat_statements.track_planning` is on.
     planning: Option<(i64, f64)>,
-    cpu: String,
+    cpu: CpuUse,
     enqueue: Duration,
 }
 
@@ -859,7 +896,7 @@ async fn throughput_phase(env: &mut Env) -> Result<Throughput> {
     let poller = connect(&env.db.url).await?;
     let polls = wait_all_terminal(&poller, &mut workers, runs).await?;
     let wall = started.elapsed();
-    let cpu = cpu.end(&backend_pids(&admin, &env.db.name).await?);
+    let cpu = cpu.end_use(&backend_pids(&admin, &env.db.name).await?);
     drop(poller);
     stop(&mut workers).await;
     drop(workers);
@@ -950,7 +987,7 @@ struct Floor {
     rps: f64,
     completed: i64,
     seconds: u32,
-    cpu: String,
+    cpu: CpuUse,
 }
 
 /// Runs [`STEP_PROTOCOL_SCRIPT`] with pgbench (`clients` clients, `seconds` s) on a database of
@@ -984,7 +1021,7 @@ async fn floor_phase(env: &Env, pgbench: &Path, clients: u32, seconds: u32, expe
     let backends = backend_pids(&admin, &db.name).await?;
     let cpu = CpuWindow::begin(&[("pgbench", child.id().map_or(0, |p| p as i32))], &backends);
     tokio::time::sleep(window).await;
-    let cpu = cpu.end(&backends);
+    let cpu = cpu.end_use(&backends);
     let out = child.wait_with_output().await?;
     let text = String::from_utf8_lossy(&out.stdout);
     ensure!(out.status.success(), "pgbench -f step-protocol failed: {text}{}", String::from_utf8_lossy(&out.stderr));
@@ -2082,12 +2119,12 @@ async fn bench(args: Args, nofile: u64) -> Result<()> {
     let mut tps = Vec::new();
     if let Some(pgdb) = &pgdb {
         log(format!("pgbench -N -c {clients} -T {} (before)", args.pgbench_seconds));
-        tps.push(pgbench_tps(&pgbench, &pgdb.url, clients, args.pgbench_seconds).await?);
+        tps.push(pgbench_tps(&pgbench, pgdb, clients, args.pgbench_seconds).await?);
     }
     let throughput = if run_throughput { Some(throughput_phase(&mut env).await?) } else { None };
     if let Some(pgdb) = &pgdb {
         log(format!("pgbench -N -c {clients} -T {} (after)", args.pgbench_seconds));
-        tps.push(pgbench_tps(&pgbench, &pgdb.url, clients, args.pgbench_seconds).await?);
+        tps.push(pgbench_tps(&pgbench, pgdb, clients, args.pgbench_seconds).await?);
     }
     drop(pgdb);
     let floor = match &throughput {
@@ -2145,21 +2182,22 @@ async fn bench(args: Args, nofile: u64) -> Result<()> {
             for f in &t.failures {
                 println!("   not completed: {f}");
             }
-            println!("   CPU: {}", t.cpu);
+            println!("   CPU: {}", t.cpu.text);
         }
     }
     println!();
     if tps.is_empty() {
         println!("2. pgbench: skipped (--pgbench-seconds 0, or no throughput phase)");
     } else {
-        let mean = tps.iter().sum::<f64>() / tps.len() as f64;
+        let mean = tps.iter().map(|t| t.0).sum::<f64>() / tps.len() as f64;
+        let pgbench_cpu_ms = tps.iter().map(|t| t.1).sum::<f64>() / tps.len() as f64;
         let ratio = rps / mean;
         println!(
             "2. pgbench -N -c {clients} -j {} -T {} (scale {}), same server: {} TPS (before / after phase 1), mean {mean:.0}",
             (cpus() as u32).clamp(1, clients.max(1)),
             env.args.pgbench_seconds,
             env.args.pgbench_scale,
-            tps.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / ")
+            tps.iter().map(|v| format!("{:.0}", v.0)).collect::<Vec<_>>().join(" / ")
         );
         println!(
             "   runs/s vs pgbench: claim+complete runs/s / pgbench TPS = {rps:.0} / {mean:.0} = {ratio:.3} [target >= {TARGET_PGBENCH_RATIO}: {}]",
@@ -2182,8 +2220,20 @@ async fn bench(args: Args, nofile: u64) -> Result<()> {
                 f.rps,
                 rps / f.rps
             );
-            println!("   CPU (step protocol alone): {}", f.cpu);
+            println!("   CPU (step protocol alone): {}", f.cpu.text);
         }
+        // CPU per unit of work is steadier than rates on a shared machine: it says how much more
+        // database work a run is than a pgbench transaction, whatever else ran meanwhile.
+        let mut per = vec![format!("pgbench -N transaction {pgbench_cpu_ms:.3} ms")];
+        if let Some(f) = &floor {
+            let ms = f.cpu.server_ms_per(f.rps);
+            per.push(format!("run, step protocol alone {ms:.2} ms ({:.1} x)", ms / pgbench_cpu_ms));
+        }
+        if let Some(t) = &throughput {
+            let ms = t.cpu.server_ms_per(f64::from(t.runs) / t.wall.as_secs_f64());
+            per.push(format!("run, phase 1 {ms:.2} ms ({:.1} x)", ms / pgbench_cpu_ms));
+        }
+        println!("   PostgreSQL CPU per unit of work (backend cores / rate): {}", per.join("; "));
     }
     println!();
     match &latency {
