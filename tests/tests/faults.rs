@@ -326,6 +326,50 @@ async fn a_thread_row_locked_past_the_lease_keeps_the_paid_answer() {
     assert_eq!(answers, 1);
 }
 
+/// Every connection between the worker and PostgreSQL freezes (a half-open network path, a
+/// stalled proxy: nothing is refused, nothing answers) for two leases while the run's model
+/// answer arrives. The worker sees only timeouts — its renewals too — and cannot tell a frozen
+/// path from a lock wait or an outage; the answer is paid for, so its fenced checkpoint is held
+/// and written once the path thaws: one model call, one attempt, no recovery. Before: the
+/// checkpoint gave up at the lease's deadline, the hand-back could not be written either, the
+/// worker's next claim took the run again and the answer was paid twice (chaos soak, seed 23:
+/// a 2 s freeze of one worker).
+#[tokio::test]
+async fn a_frozen_network_path_past_the_lease_keeps_the_paid_answer() {
+    let options = StackOptions {
+        workers_through_proxy: true,
+        worker_env: vec![("WORKER_LEASE_MS".into(), "3000".into()), ("WORKER_RENEW_MS".into(), "1000".into())],
+        ..Default::default()
+    };
+    let stack = Stack::start("frozen_path_hold", options).await.unwrap();
+    let proxy = stack.proxy.as_ref().unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let text = "the answer that arrived while the network path was frozen";
+    let run = c.chat(&thread, &script(json!([{"text": text, "delayMs": 1200}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while stack.mock.requests().await.unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "the model call did not start");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    proxy.freeze_all();
+    proxy.freeze_new(agentloop_tests::proxy::FreezeAt::Start);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    proxy.pass();
+
+    let done = c.wait_terminal(&run, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(stack.mock.requests().await.unwrap().len(), 1, "the answer was paid once: {done}");
+    assert_eq!((done["attempts"].as_i64(), done["recoveries"].as_i64()), (Some(1), Some(0)), "{done}");
+    let db = stack.db.client().await.unwrap();
+    let answers: i64 = db
+        .query_one("SELECT count(*) FROM messages WHERE role = 'assistant' AND content::text LIKE '%' || $1 || '%'", &[&text])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(answers, 1);
+}
+
 /// Another session holds one thread's row while two runs stream on the same worker: the other
 /// run's live answer keeps flowing (its `streaming` events keep arriving while the row is held),
 /// and both runs complete with one model call each. Before: the one flush of all the worker's

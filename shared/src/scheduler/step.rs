@@ -299,20 +299,25 @@ pub struct Identity {
 /// (with the same commit id) until `deadline()`: the lease as last confirmed, asked again when
 /// the retries run out.
 ///
-/// `hold`: for a commit that carries a paid model answer, the latest instant to keep retrying
-/// it past that deadline:
-/// - through a database outage ([`StoreError::Outage`]), every 1 s;
-/// - through other transient faults ([`StoreError::Unavailable`]: statement or lock timeouts)
-///   while the lease keeps being confirmed (`deadline()` moved on): the database answers the
-///   renewals but not this checkpoint — another session holds its thread's row (acceptance
-///   probe: a 20 s `SELECT ... FOR UPDATE` on the thread handed the run back and paid the
-///   answer again).
+/// `hold`: for a commit that carries a paid model answer (or a tool's result), the latest
+/// instant to keep retrying it past that deadline, through every transient fault — a database
+/// outage ([`StoreError::Outage`]) and statement, lock and pool timeouts
+/// ([`StoreError::Unavailable`]) alike, whether or not the lease is being confirmed meanwhile:
+/// - another session holds the thread's row while the database answers the renewals
+///   (acceptance probe: a 20 s `SELECT ... FOR UPDATE` on the thread handed the run back and
+///   paid the answer again);
+/// - the worker's connections freeze (a half-open network path, a stalled proxy): a timeout is
+///   all the worker sees, the renewals time out too, and a frozen path cannot be told from a
+///   lock wait (chaos soak: the answer arrived during a 2 s freeze, the checkpoint gave up at
+///   the lease's deadline, and the run was taken again and paid twice).
+/// Each try after the first waits at least 1 s from the start of the one before and may take
+/// until the later of the lease's deadline and 1 s from now.
 ///
 /// Safe because the write is fenced (owner + fencing token, not the lease's expiry): the answer
 /// is saved if no other worker took the run meanwhile, else the fence answers `None`. The same
 /// commit id is sent every time, so an attempt whose outcome was unknown is found, not applied
-/// twice. A commit that fails on its own while the lease is not confirmed keeps the lease's
-/// deadline, and every hold ends at `hold`, so a poison run still ends.
+/// twice. Every hold ends at `hold` (`WORKER_OUTAGE_HOLD_MS` after the commit began), so a
+/// commit that can never be written still ends its run's slice.
 pub async fn commit(
     store: &Store,
     lease: &Lease,
@@ -332,18 +337,13 @@ pub async fn commit(
     let mut deadline = lease_deadline();
     let held = |hold: Option<Instant>| hold.is_some_and(|h| Instant::now() + OUTAGE_RETRY < h);
     let value = loop {
+        let began = Instant::now();
         match store.call("agentloop_commit", &arg, Replay::Safe, Some(deadline)).await {
-            Err(StoreError::Outage(message)) if held(hold) => {
-                tracing::warn!(run.id = %lease.run_id, error = %message, "database outage: holding the paid answer until it can be written");
+            Err(StoreError::Outage(message) | StoreError::Unavailable(message)) if held(hold) => {
+                tracing::warn!(run.id = %lease.run_id, error = %message, "database unavailable: holding the paid answer until it can be written");
                 metrics::counter!("agentloop_commits_held_total").increment(1);
-                tokio::time::sleep(OUTAGE_RETRY).await;
-                deadline = Instant::now() + OUTAGE_RETRY;
-            }
-            Err(StoreError::Unavailable(message)) if held(hold) && lease_deadline() > deadline => {
-                tracing::warn!(run.id = %lease.run_id, error = %message,
-                               "the lease is renewed but this checkpoint waits (a lock another session holds?): holding the paid answer");
-                metrics::counter!("agentloop_commits_held_total").increment(1);
-                deadline = lease_deadline();
+                tokio::time::sleep_until((began + OUTAGE_RETRY).into()).await;
+                deadline = lease_deadline().max(Instant::now() + OUTAGE_RETRY);
             }
             result => break result?,
         }
