@@ -31,7 +31,8 @@
 //! Anything else is a write after lease loss. Run-row changes by a worker are legitimate when
 //! they are a claim (`queued`/`running` -> `running`, owner = writer, epoch + 1), the end of a
 //! slice it held, the FIFO promotion in such a transaction, or the approval-expiry requeue. A
-//! claim of a `running` run whose lease had not expired at the claim's `now()` is counted too.
+//! claim of a `running` run whose lease had not expired at the claim's `now()` is counted too, but
+//! not a worker's claim of a run it released itself (same owner, no recovery: migration 000026).
 //! Limit: a worker process that re-claims its own expired run keeps its id, so a stale slice of
 //! the same process (older epoch) writing message rows is indistinguishable by session name;
 //! operation rows carry the epoch and are checked.
@@ -74,7 +75,9 @@ CREATE TABLE chaos_run_audit (
     new_owner text,
     old_epoch bigint,
     new_epoch bigint,
-    old_lease_expires_at timestamptz
+    old_lease_expires_at timestamptz,
+    old_recoveries int,
+    new_recoveries int
 );
 CREATE INDEX chaos_run_audit_txid ON chaos_run_audit (txid);
 CREATE FUNCTION chaos_worker_of(app text) RETURNS text LANGUAGE sql IMMUTABLE AS
@@ -100,9 +103,10 @@ BEGIN
 END $$;
 CREATE FUNCTION chaos_audit_run() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO chaos_run_audit (app, run_id, thread_id, old_status, new_status, old_owner, new_owner, old_epoch, new_epoch, old_lease_expires_at)
+    INSERT INTO chaos_run_audit (app, run_id, thread_id, old_status, new_status, old_owner, new_owner, old_epoch, new_epoch,
+                                 old_lease_expires_at, old_recoveries, new_recoveries)
     VALUES (current_setting('application_name'), NEW.id, NEW.thread_id, OLD.status, NEW.status, OLD.lease_owner, NEW.lease_owner,
-            OLD.lease_epoch, NEW.lease_epoch, OLD.lease_expires_at);
+            OLD.lease_epoch, NEW.lease_epoch, OLD.lease_expires_at, OLD.recoveries, NEW.recoveries);
     RETURN NULL;
 END $$;
 CREATE TRIGGER chaos_audit_messages AFTER INSERT ON messages FOR EACH ROW EXECUTE FUNCTION chaos_audit_row();
@@ -152,12 +156,15 @@ WHERE chaos_worker_of(r.app) IS NOT NULL
 ORDER BY r.id
 "#;
 
-/// Claims of a `running` run whose lease was still live at the claim's `now()`.
+/// Claims of a `running` run whose lease was still live at the claim's `now()` — but a worker's
+/// claim of a run it released itself (migration 000026: its slice ended and could not write the
+/// end; same owner, new fencing token, no recovery counted), which takes nothing from anyone.
 const LIVE_CLAIMS: &str = r#"
 SELECT r.id, r.at::text, r.app, r.run_id::text, coalesce(r.old_owner, ''), r.old_lease_expires_at::text, r.tx_now::text
 FROM chaos_run_audit r
 WHERE r.old_status = 'running' AND r.new_status = 'running' AND r.new_epoch = r.old_epoch + 1
   AND r.old_lease_expires_at >= r.tx_now
+  AND NOT (r.old_owner = r.new_owner AND r.new_recoveries = r.old_recoveries)
 ORDER BY r.id
 "#;
 
