@@ -10,7 +10,7 @@ use tokio_postgres::Client;
 use super::receiver::Effect;
 use super::report::{Line, Report, info, inv, inv_grouped};
 use super::stack::{ASK_TOOL, EFFECT_TOOL};
-use super::workload::{PostOutcome, SseLog, Workload};
+use super::workload::{PostOutcome, SseLog, Turn, Workload};
 
 struct RunRow {
     status: String,
@@ -57,6 +57,52 @@ pub struct Snapshot {
     pub journal_end: HashMap<String, i64>,
     /// Why a run failed, from the worker logs (`run id -> error`), when found.
     pub log_reasons: HashMap<String, String>,
+}
+
+/// Starts of the system prompts of the worker's own model requests that are not agent steps:
+/// titles (`agentloop_worker::title::TITLE_PROMPT`) and compaction summaries
+/// (`agentloop_shared::compaction::SUMMARY_PROMPT`).
+const NOT_AGENT_STEPS: [&str; 2] = ["You write conversation titles", "You compress the earlier part"];
+
+/// Agent-step requests the mock model received, counted per (turn token, step index: the number
+/// of assistant messages after the turn's user message) — the mock plays that step for it. A
+/// step answered once is requested once: a second request for it means its answer was paid and
+/// not kept. Legitimately so when its worker died or stalled past the lease (a recovery), or the
+/// client stopped the run (cancel, interrupt); any other repeat in a run that completed is a
+/// paid answer thrown away (the promise). Returns (steps requested again in any run, those
+/// violations).
+fn paid_again(turns: &[Turn], snap: &Snapshot, requests: &[Value]) -> (u64, Vec<String>) {
+    let mut counts: HashMap<(String, usize), usize> = HashMap::new();
+    for r in requests {
+        let Some(messages) = r["messages"].as_array() else { continue };
+        let own = messages.iter().any(|m| {
+            m["role"] == "system" && NOT_AGENT_STEPS.iter().any(|p| text_of(&m["content"]).starts_with(p))
+        });
+        let Some(last_user) = messages.iter().rposition(|m| m["role"] == "user") else { continue };
+        let text = text_of(&messages[last_user]["content"]);
+        let Some(token) = text.find("turn ").and_then(|at| text[at + 5..].split_whitespace().next()) else { continue };
+        if own {
+            continue;
+        }
+        let step = messages[last_user..].iter().filter(|m| m["role"] == "assistant").count();
+        *counts.entry((token.to_owned(), step)).or_default() += 1;
+    }
+    let repeated = counts.values().filter(|n| **n > 1).count() as u64;
+    let mut thrown = Vec::new();
+    for t in turns {
+        let PostOutcome::Accepted(run) = &t.outcome else { continue };
+        let Some(row) = snap.runs.get(run) else { continue };
+        if t.cancel_requested || row.status != "completed" || row.recoveries > 0 {
+            continue;
+        }
+        let mut steps: Vec<(usize, usize)> =
+            counts.iter().filter(|((token, _), n)| *token == t.token && **n > 1).map(|((_, step), n)| (*step, *n)).collect();
+        steps.sort();
+        for (step, n) in steps {
+            thrown.push(format!("turn {} (run {run}): step {step} sent to the model {n} times; recoveries 0, not stopped by the client", t.token));
+        }
+    }
+    (repeated, thrown)
 }
 
 fn text_of(content: &Value) -> String {
@@ -193,7 +239,7 @@ fn outcome_of(result: Option<&str>) -> Outcome {
 }
 
 /// Evaluates every invariant into `report`.
-pub fn evaluate(report: &mut Report, w: &Workload, snap: &Snapshot, effects: &[Effect], sse: &[SseLog]) {
+pub fn evaluate(report: &mut Report, w: &Workload, snap: &Snapshot, effects: &[Effect], sse: &[SseLog], model_requests: &[Value]) {
     let turns = w.turns();
     let mut finals_by_run: HashMap<&str, Vec<&Msg>> = HashMap::new();
     let mut finals_by_token_count: HashMap<String, usize> = HashMap::new();
@@ -354,6 +400,13 @@ pub fn evaluate(report: &mut Report, w: &Workload, snap: &Snapshot, effects: &[E
     ));
     s.push(inv("runs cancelled without a client request", cancelled_unasked, ""));
     s.push(inv("runs not terminal at the end", stuck, "after the settle wait"));
+    let (repeated, thrown_away) = paid_again(&turns, snap, model_requests);
+    s.push(info("model steps requested again", repeated, "same turn and step sent to the model more than once, in any run"));
+    s.push(inv(
+        "paid answers thrown away",
+        thrown_away,
+        "a step requested again in a completed run that no worker crash recovered and no client stopped",
+    ));
 
     effects_and_approvals(report, w, snap, effects);
     sse_check(report, snap, sse);
@@ -635,6 +688,51 @@ pub fn audit_lines(f: &super::audit::AuditFindings) -> Vec<Line> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn turn(token: &str, run: &str, cancel_requested: bool) -> Turn {
+        Turn {
+            n: 0,
+            thread: "t".into(),
+            token: token.into(),
+            key: "k".into(),
+            kind: "plain",
+            policy: "reject",
+            outcome: PostOutcome::Accepted(run.into()),
+            cancel_requested,
+            effects: Vec::new(),
+            reused_ids: false,
+            last_status: None,
+        }
+    }
+
+    fn request(token: &str, assistants: usize) -> Value {
+        let mut messages = vec![json!({"role": "user", "content": format!("turn {token} please. MOCK: {{}}")})];
+        for _ in 0..assistants {
+            messages.push(json!({"role": "assistant", "content": "x"}));
+        }
+        json!({"messages": messages})
+    }
+
+    #[test]
+    fn a_step_requested_twice_in_a_clean_completed_run_is_a_thrown_away_answer() {
+        let mut snap = snapshot("t", 0);
+        for (run, status, recoveries) in [("r1", "completed", 0), ("r2", "completed", 1), ("r3", "completed", 0), ("r4", "failed", 0)] {
+            snap.runs.insert(run.into(), RunRow { status: status.into(), error_code: None, error_message: None, recoveries, lease_owner: None });
+        }
+        let turns = [turn("a", "r1", false), turn("b", "r2", false), turn("c", "r3", true), turn("d", "r4", false)];
+        let title = json!({"messages": [{"role": "system", "content": "You write conversation titles. ..."}, {"role": "user", "content": "turn a please"}]});
+        let requests: Vec<Value> = vec![
+            request("a", 0), request("a", 1), request("a", 1), // r1: step 1 paid twice
+            request("b", 0), request("b", 0), // recovered: allowed
+            request("c", 0), request("c", 0), // stopped by the client: allowed
+            request("d", 0), request("d", 0), // not completed: not judged
+            title.clone(), title, // the worker's own requests are not steps
+        ];
+        let (repeated, thrown) = paid_again(&turns, &snap, &requests);
+        assert_eq!(repeated, 4);
+        assert_eq!(thrown.len(), 1, "{thrown:?}");
+        assert!(thrown[0].contains("turn a") && thrown[0].contains("step 1 sent to the model 2 times"), "{thrown:?}");
+    }
     use crate::chaos::workload::SseConn;
     use serde_json::json;
 

@@ -250,7 +250,9 @@ pub async fn run(config: Config) -> Result<Outcome> {
         let (accepted, failed) = stack.proxy.totals();
         s.push(info("proxy connections", accepted, format!("{failed} upstream connects failed")));
     }
-    check::evaluate(&mut report, &workload, &snap, &effects, &sse);
+    // Every agent-step request the mock received (the checks count steps paid more than once).
+    let model_requests: Vec<serde_json::Value> = reqwest::get(format!("{}/_mock/requests", stack.mock.url)).await?.json().await?;
+    check::evaluate(&mut report, &workload, &snap, &effects, &sse, &model_requests);
     let findings = audit::check(&db).await?;
     report.section("lease audit").extend(check::audit_lines(&findings));
     {
