@@ -370,6 +370,61 @@ async fn a_frozen_network_path_past_the_lease_keeps_the_paid_answer() {
     assert_eq!(answers, 1);
 }
 
+/// A compaction summary is paid work too (one or more model calls): its checkpoint, which
+/// carries no message, is held like an answer's. Every connection that sends the summary's
+/// checkpoint freezes for two leases while the renewals go through; once the path thaws the
+/// summary is written and the turn answered, with one summary request and one attempt. Before:
+/// only commits with messages were held, so the checkpoint gave up at the lease's deadline, the
+/// run was handed back and the summary paid again.
+#[tokio::test]
+async fn a_compaction_summary_whose_checkpoint_freezes_past_the_lease_is_kept() {
+    use agentloop_tests::proxy::FreezeAt;
+    let options = StackOptions {
+        workers_through_proxy: true,
+        worker_env: vec![("WORKER_LEASE_MS".into(), "3000".into()), ("WORKER_RENEW_MS".into(), "1000".into())],
+        ..Default::default()
+    };
+    let stack = Stack::start("frozen_summary_hold", options).await.unwrap();
+    let proxy = stack.proxy.as_ref().unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    for i in 0..4 {
+        let run = c.chat(&thread, &script(json!([{"text": format!("answer {i} {}", "filler ".repeat(60))}]))).await.unwrap();
+        c.wait_terminal(run["run"]["id"].as_str().unwrap(), Duration::from_secs(30)).await.unwrap();
+    }
+    let r = c
+        .send(reqwest::Method::PATCH, &format!("/api/threads/{thread}"), Some(json!({"metadata": {"compactThreshold": 200, "compactRecentMessages": 2}})), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    let summaries = |requests: Vec<serde_json::Value>| {
+        requests.iter().filter(|r| r["messages"][0]["content"].as_str().is_some_and(|t| t.starts_with("You compress the earlier part"))).count()
+    };
+    // Pooled connections are replaced; every new one freezes when it sends a summary checkpoint.
+    proxy.cut_all();
+    proxy.freeze_new(FreezeAt::ClientSends(b"\"snapshot\":{".to_vec()));
+    let run = c.chat(&thread, &script(json!([{"text": "the turn after the summary"}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while summaries(stack.mock.requests().await.unwrap()) == 0 {
+        assert!(Instant::now() < deadline, "no summary was requested");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    proxy.pass();
+
+    let done = c.wait_terminal(&run, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(summaries(stack.mock.requests().await.unwrap()), 1, "the summary was paid once: {done}");
+    assert_eq!((done["attempts"].as_i64(), done["recoveries"].as_i64()), (Some(1), Some(0)), "{done}");
+    let db = stack.db.client().await.unwrap();
+    let snapshots: i64 = db
+        .query_one("SELECT count(*) FROM context_snapshots WHERE thread_id = $1::text::uuid", &[&thread])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(snapshots, 1);
+}
+
 /// Another session holds one thread's row while two runs stream on the same worker: the other
 /// run's live answer keeps flowing (its `streaming` events keep arriving while the row is held),
 /// and both runs complete with one model call each. Before: the one flush of all the worker's

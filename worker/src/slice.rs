@@ -143,9 +143,9 @@ impl Slice {
         let (control, margin) = (self.control.clone(), self.env.lease.saturating_sub(self.env.renew / 2));
         let deadline = move || control.confirmed() + margin;
         let started = Instant::now();
-        // A paid answer (or a tool's result) is held through every transient fault, up to
-        // WORKER_OUTAGE_HOLD_MS: the write is fenced (step::commit).
-        let hold = (!commit.messages.is_empty()).then(|| started + self.env.outage_hold);
+        // Paid work (a model answer, tool results, a compaction summary) is held through every
+        // transient fault, up to WORKER_OUTAGE_HOLD_MS: the write is fenced (step::commit).
+        let hold = commit.carries_paid_work().then(|| started + self.env.outage_hold);
         let result = step::commit(&self.env.store, &self.lease, self.step_id, &commit, &deadline, hold).await;
         metrics::histogram!("agentloop_commit_duration_seconds").record(started.elapsed().as_secs_f64());
         match result? {

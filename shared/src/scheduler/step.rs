@@ -268,6 +268,15 @@ pub struct Commit {
     pub end: Option<SliceEnd>,
 }
 
+impl Commit {
+    /// Whether the commit carries work that was paid for or took effect and would be lost with
+    /// it: messages (a model answer, tool results, a stopped partial) or a compaction summary.
+    /// [`commit`] holds such a commit through transient faults (its `hold`).
+    pub fn carries_paid_work(&self) -> bool {
+        !self.messages.is_empty() || self.snapshot.is_some()
+    }
+}
+
 /// What a commit did.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase")]
