@@ -493,8 +493,22 @@ run = w.get("run")
 status = (run or {}).get("status")
 if status in ("failed", "cancelled"):
     print(f"smoke: the run ended {status}: {json.dumps(run.get('error'))}", file=sys.stderr)
+if status in ("waiting_approval", "waiting_authorization", "blocked"):
+    sys.exit(2)
 sys.exit(0 if not run or status in ("completed", "failed", "cancelled") else 1)
 EOF
+            waiting=0
+        else
+            waiting=$?
+        fi
+        if ((waiting == 2)); then
+            # A tool with policy `ask` (TOOLS_FILE), an MCP sign-in or an uncertain effect: the
+            # stack works up to a decision smoke must not take for the user.
+            echo "smoke: the run waits for a human: $(python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["run"]; print(r["status"], "-", (r.get("error") or {}).get("message") or "decide in the UI")' "$tmp/window.json")"
+            echo "smoke: OK up to that decision (open $url/#$id to approve, reject or resolve it)"
+            return 0
+        fi
+        if ((waiting == 0)); then
             body="$(cat "$tmp/window.json")"
             echo "smoke: GET /api/threads/$id -> 200; final window:"
             if command -v jq >/dev/null 2>&1; then jq . <<<"$body"; else echo "$body"; fi

@@ -9,7 +9,8 @@
 //! 3. only with `DEV_LOOPBACK_PRINCIPAL=true`: a request from a loopback peer whose `Host` is a
 //!    loopback name (`localhost`, `127.0.0.1`, `[::1]`, any port) acts as `local` — a page of
 //!    another site resolving its name to 127.0.0.1 (DNS rebinding) sends its own Host and is
-//!    refused.
+//!    refused, and a browser's request (`Origin` or `Sec-Fetch-Site` present) is held to the
+//!    CSRF rule of 2.
 //!
 //! A source address with too many failed authentications is refused (429) before its
 //! credentials are looked at; an authenticated principal then spends one request of its rate
@@ -174,7 +175,15 @@ pub async fn authenticate(state: &AppState, req: &HttpRequest) -> Result<Option<
     } else {
         let peer_loopback = req.peer_addr().is_some_and(|a| a.ip().is_loopback());
         match &state.loopback_principal {
-            Some(principal) if peer_loopback && loopback_host(req) => Authenticated(principal.clone(), None, Via::Loopback),
+            Some(principal) if peer_loopback && loopback_host(req) => {
+                // A page of any site can reach 127.0.0.1 too: a `fetch` with `mode: "no-cors"`
+                // needs no preflight, so a body-less POST (cancel, approve) acted as `local`
+                // (acceptance probe). A browser's request is held to the cookie rule.
+                if from_browser(req) {
+                    csrf_guard(req)?;
+                }
+                Authenticated(principal.clone(), None, Via::Loopback)
+            }
             _ => return Ok(None),
         }
     };
@@ -310,9 +319,18 @@ mod tests {
     }
 }
 
-/// The CSRF rule of cookie-authenticated requests: one that is not GET/HEAD must carry
-/// [`CSRF_HEADER`] (a cross-site form cannot set it), else 403 `csrf_header_missing`. Applied by
-/// [`authenticate`] and by sign-out, which reads the cookie itself.
+/// Whether `req` comes from a web page: browsers send `Origin` on every request that is not
+/// GET/HEAD (cross-site `no-cors` ones included) and `Sec-Fetch-Site` on every request; curl
+/// and SDKs send neither.
+fn from_browser(req: &HttpRequest) -> bool {
+    req.headers().contains_key("Origin") || req.headers().contains_key("Sec-Fetch-Site")
+}
+
+/// The CSRF rule of requests a browser authenticates without a header the page must set (the
+/// session cookie; the development loopback principal): one that is not GET/HEAD must carry
+/// [`CSRF_HEADER`] (a cross-site page cannot set it without a CORS preflight this server never
+/// grants), else 403 `csrf_header_missing`. Applied by [`authenticate`] and by sign-out, which
+/// reads the cookie itself.
 pub fn csrf_guard(req: &HttpRequest) -> Result<(), ApiError> {
     let safe = matches!(*req.method(), actix_web::http::Method::GET | actix_web::http::Method::HEAD);
     let marked = req.headers().get(CSRF_HEADER.0).and_then(|v| v.to_str().ok()).is_some_and(|v| v.eq_ignore_ascii_case(CSRF_HEADER.1));
@@ -321,7 +339,7 @@ pub fn csrf_guard(req: &HttpRequest) -> Result<(), ApiError> {
     }
     Err(ApiError::Forbidden {
         code: "csrf_header_missing",
-        message: format!("a request authenticated by the session cookie must carry {}: {}", CSRF_HEADER.0, CSRF_HEADER.1),
+        message: format!("a browser request authenticated by the session cookie or the loopback principal must carry {}: {}", CSRF_HEADER.0, CSRF_HEADER.1),
     })
 }
 

@@ -108,7 +108,7 @@ async function act(page, seq, action) {
 
 async function patchMetadata(page, thread, metadata) {
   const status = await page.evaluate(async ([id, metadata]) => (await fetch('/api/threads/' + id, {
-    method: 'PATCH', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ metadata }),
+    method: 'PATCH', headers: { 'content-type': 'application/json', 'X-Requested-With': 'agentloop' }, body: JSON.stringify({ metadata }),
   })).status, [thread, metadata]);
   assert(status === 200, `PATCH metadata: ${status}`);
 }

@@ -491,6 +491,25 @@ async fn hostile_loopback_principal_needs_a_loopback_host() {
             assert_eq!(r.json::<Value>().await.unwrap()["via"], "loopback");
         }
     }
+    // A page of another site reaches 127.0.0.1 too: a `fetch` with `mode: "no-cors"` needs no
+    // preflight, so a body-less POST (cancel, approve) went through as `local` (acceptance
+    // probe). A browser's request (it sends Origin / Sec-Fetch-Site) is held to the cookie
+    // rule; tools that send neither (curl, SDKs) are not.
+    let thread = http.post(format!("{}/api/threads", stack.api_url)).json(&json!({})).send().await.unwrap();
+    assert_eq!(thread.status(), 201);
+    let cancel = format!("{}/api/threads/{}/cancel", stack.api_url, thread.json::<Value>().await.unwrap()["id"].as_str().unwrap());
+    for headers in [vec![("Origin", "http://evil.example")], vec![("Sec-Fetch-Site", "cross-site")], vec![("Origin", "http://localhost:3000"), ("Sec-Fetch-Site", "same-site")]] {
+        let mut r = http.post(&cancel);
+        for (k, v) in &headers {
+            r = r.header(*k, *v);
+        }
+        let r = r.send().await.unwrap();
+        assert_eq!(r.status(), 403, "{headers:?}");
+        assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "csrf_header_missing", "{headers:?}");
+    }
+    let r = http.post(&cancel).header("Origin", format!("http://127.0.0.1:{port}")).header("X-Requested-With", "agentloop").send().await.unwrap();
+    assert_eq!(r.status(), 200, "the UI's own requests carry the header");
+    assert_eq!(http.post(&cancel).send().await.unwrap().status(), 200, "a tool without Origin is not a browser");
 }
 
 #[tokio::test]

@@ -1332,8 +1332,10 @@ function operationCard(V, run, o) {
   };
   const card = h('div', {class: 'operation', 'data-testid': 'operation', 'data-key': o.key, 'data-tool-name': o.toolName},
     h('div', null, h('span', {class: 'chip small', text: 'uncertain'}), h('b', {text: ' ' + o.toolName}), h('code', {class: 'note', text: ' ' + o.key})),
-    h('div', {class: 'note', text: 'The worker stopped after this call left: nobody knows whether it took effect, so nothing is retried automatically.'}),
+    h('div', {class: 'note', text: 'This call may have reached the tool but no answer says what it did (it timed out, its connection broke, the tool answered an error after receiving it, or the worker stopped): nobody knows whether it took effect, so nothing is retried automatically.'}),
     h('pre', {text: prettyArgs(o.arguments)}),
+    o.result ? h('div', {class: 'lbl', text: 'What the worker saw'}) : null,
+    o.result ? h('pre', {'data-testid': 'operation-result', text: o.result}) : null,
     h('div', {class: 'gate-actions'},
       h('button', {class: 'primary', 'data-testid': 'resolve-completed', text: 'It happened', onclick: () => resolve('completed')}),
       h('button', {'data-testid': 'resolve-failed', text: 'It did not happen', onclick: () => resolve('failed')}),
@@ -1513,7 +1515,11 @@ dbListeners.add(setDbDown);
 async function checkReady() {
   try {
     const r = await fetch('/readyz', {cache: 'no-store'});
-    setDbDown(r.status === 503);
+    // 503 also means `draining` (this api process is shutting down; another one, or its
+    // restart, serves next): only `database_unavailable` says PostgreSQL is away.
+    const code = r.status === 503 ? ((await r.json().catch(() => null))?.error?.code) : null;
+    if (r.ok) setDbDown(false);
+    else if (code === 'database_unavailable') setDbDown(true);
   } catch (_) { /* the server itself is away: requests report it */ }
 }
 
