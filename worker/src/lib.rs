@@ -72,6 +72,18 @@ pub struct WorkerConfig {
     #[arg(long, env = "WORKER_OUTAGE_HOLD_MS", default_value = "300000", value_parser = parse_millis)]
     pub outage_hold: Duration,
 
+    /// Longest silence in ms of a model's response (between any two reads, the wait for its
+    /// headers included) before the call is given up as `model_stream_stalled` (a stream that
+    /// stops with its connection open would otherwise hold its slot forever).
+    #[arg(long, env = "MODEL_STREAM_IDLE_MS", default_value = "300000", value_parser = parse_millis)]
+    pub model_stream_idle: Duration,
+
+    /// Largest model answer in bytes (text + reasoning + tool calls) a slice assembles; a
+    /// longer one is cut and the run fails `model_answer_too_large`. Bounds a slice's memory.
+    #[arg(long, env = "MODEL_MAX_ANSWER_BYTES", default_value_t = agentloop_shared::provider::client::DEFAULT_MAX_ANSWER_BYTES,
+          value_parser = clap::value_parser!(usize))]
+    pub model_max_answer_bytes: usize,
+
     /// Idle safety poll in ms (covers a missed notification; no other periodic queue query).
     #[arg(long, env = "WORKER_SAFETY_POLL_MS", default_value = "60000", value_parser = parse_millis)]
     pub safety_poll: Duration,

@@ -104,7 +104,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     let _flusher = AbortOnDropHandle::new(tokio::spawn(streams.clone().run(stream_store, worker_id.clone(), config.stream_throttle, stop.clone())));
     let env = Arc::new(SliceEnv {
         store: store.clone(),
-        provider: ProviderClient::new(),
+        provider: ProviderClient::with_limits(config.model_stream_idle, config.model_max_answer_bytes),
         catalog,
         tools: Arc::new(registry),
         streams,

@@ -109,14 +109,23 @@ pub enum ProviderError {
     /// The stream ended without `[DONE]` and without any `finish_reason`.
     #[error("model stream ended before the response was complete")]
     Truncated,
-    /// The body is not a readable event stream (bad UTF-8 or SSE framing).
+    /// The body is not a readable event stream (bad UTF-8 or SSE framing), or a response with
+    /// tool calls had chunks that could not be read (the calls' arguments cannot be trusted).
     #[error("malformed model response: {0}")]
     Malformed(String),
+    /// No byte of the response arrived for the read timeout (`MODEL_STREAM_IDLE_MS`): a stream
+    /// that went silent with its connection open.
+    #[error("the model sent nothing for {0:?} (MODEL_STREAM_IDLE_MS); the stream was given up")]
+    Stalled(Duration),
+    /// The answer (text, reasoning and tool calls) grew past `MODEL_MAX_ANSWER_BYTES`.
+    #[error("the model's answer exceeded {0} bytes (MODEL_MAX_ANSWER_BYTES); the stream was cut")]
+    TooLarge(usize),
 }
 
 impl ProviderError {
     /// Stable snake_case code: `model_http_error`, `model_rate_limited`, `model_unavailable`,
-    /// `model_transport_error`, `model_stream_truncated`, `model_malformed_response`.
+    /// `model_transport_error`, `model_stream_truncated`, `model_malformed_response`,
+    /// `model_stream_stalled`, `model_answer_too_large`.
     pub fn code(&self) -> &'static str {
         match self {
             Self::Http { .. } => "model_http_error",
@@ -125,6 +134,8 @@ impl ProviderError {
             Self::Transport(_) => "model_transport_error",
             Self::Truncated => "model_stream_truncated",
             Self::Malformed(_) => "model_malformed_response",
+            Self::Stalled(_) => "model_stream_stalled",
+            Self::TooLarge(_) => "model_answer_too_large",
         }
     }
 }
@@ -134,7 +145,20 @@ impl ProviderError {
 pub struct ProviderClient {
     http: reqwest::Client,
     max_retries: usize,
+    /// Longest silence of a response, between any two reads (headers included).
+    read_timeout: Duration,
+    /// Largest answer assembled from a stream: text + reasoning + tool-call names and
+    /// arguments, in bytes.
+    max_answer_bytes: usize,
 }
+
+/// Default of `MODEL_STREAM_IDLE_MS`: 300 s of silence ends a stream (OpenAI's SDKs wait 600 s
+/// between reads; a reasoning model can think for minutes before its first token).
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Default of `MODEL_MAX_ANSWER_BYTES`: 4 MiB, far above any model's output limit (128k tokens
+/// are about 0.5 MB) and bounding what one slice holds in memory.
+pub const DEFAULT_MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024;
 
 impl Default for ProviderClient {
     fn default() -> Self {
@@ -144,15 +168,24 @@ impl Default for ProviderClient {
 
 impl ProviderClient {
     /// A client with a 10 s connect timeout, TCP keep-alive (a dead peer is detected in about
-    /// 90 s) and no overall timeout (streams are long), retrying at most 3 times.
+    /// 90 s), no overall timeout (streams are long) but a read timeout (a live peer that stops
+    /// sending: [`DEFAULT_READ_TIMEOUT`]), a cap on the answer ([`DEFAULT_MAX_ANSWER_BYTES`]),
+    /// retrying at most 3 times.
     ///
     /// Installs rustls's `ring` crypto provider as the process default first (a no-op if one is
     /// installed). Panics only if the TLS backend cannot be initialised, like
     /// `reqwest::Client::new`.
     pub fn new() -> Self {
+        Self::with_limits(DEFAULT_READ_TIMEOUT, DEFAULT_MAX_ANSWER_BYTES)
+    }
+
+    /// [`Self::new`] with the read timeout (`MODEL_STREAM_IDLE_MS`) and the answer cap
+    /// (`MODEL_MAX_ANSWER_BYTES`) given.
+    pub fn with_limits(read_timeout: Duration, max_answer_bytes: usize) -> Self {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
+            .read_timeout(read_timeout)
             .tcp_keepalive(Duration::from_secs(30))
             .tcp_keepalive_interval(Duration::from_secs(15))
             .tcp_keepalive_retries(4)
@@ -161,6 +194,8 @@ impl ProviderClient {
         Self {
             http,
             max_retries: 3,
+            read_timeout,
+            max_answer_bytes,
         }
     }
 
@@ -177,7 +212,14 @@ impl ProviderClient {
     /// the bearer key if any. Before the body is read, HTTP 429/500/502/503/504, connect
     /// errors and timeouts are retried with exponential backoff and jitter (500 ms, x2, at
     /// most 8 s, or the `Retry-After` seconds capped at 30 s); once streaming has begun nothing
-    /// is retried. Chunks that are not valid JSON are skipped and counted.
+    /// is retried. Chunks that are not valid JSON are skipped and counted — unless the answer
+    /// has tool calls: a skipped piece could have changed their arguments (a malformed chunk
+    /// between two argument pieces joined them into other valid JSON, and an effect ran with
+    /// it: acceptance probe), so such a response is `Malformed` and no call of it runs. A
+    /// delta for an `index` that brings a different id starts a new call (two calls at one
+    /// index were merged). A stream silent for the read timeout is `Stalled`; an answer past
+    /// the cap is `TooLarge` (both acceptance probe: a silent stream held its slot forever, a
+    /// 40 MB answer was paid again and again).
     ///
     /// Cancel-safe: dropping the future aborts the HTTP request.
     ///
@@ -280,7 +322,7 @@ impl ProviderClient {
             .await
             .map_err(|e| e.error)?;
 
-        read_stream(response, model, on_delta).await
+        read_stream(response, model, self.read_timeout, self.max_answer_bytes, on_delta).await
     }
 
     /// One attempt: sends the request and checks the status without touching the body of a
@@ -303,7 +345,11 @@ impl ProviderClient {
         let response = request.send().await.map_err(|e| AttemptError {
             retryable: e.is_connect() || e.is_timeout(),
             retry_after: None,
-            error: ProviderError::Transport(error_chain(&e)),
+            error: if e.is_timeout() && !e.is_connect() {
+                ProviderError::Stalled(self.read_timeout)
+            } else {
+                ProviderError::Transport(error_chain(&e))
+            },
         })?;
         let status = response.status();
         if status.is_success() {
@@ -428,14 +474,22 @@ struct PartialCall {
 async fn read_stream(
     response: reqwest::Response,
     model: &ModelConfig,
+    read_timeout: Duration,
+    max_answer_bytes: usize,
     on_delta: &mut (dyn FnMut(StreamDelta) + Send),
 ) -> Result<AssistantTurn, ProviderError> {
     let mut events = response.bytes_stream().eventsource();
     let mut turn = AssistantTurn::default();
     let mut calls: Vec<PartialCall> = Vec::new();
     let mut done = false;
+    let mut answer_bytes = 0usize;
+    let mut grow = |bytes: usize| {
+        answer_bytes += bytes;
+        if answer_bytes > max_answer_bytes { Err(ProviderError::TooLarge(max_answer_bytes)) } else { Ok(()) }
+    };
     while let Some(event) = events.next().await {
         let event = event.map_err(|e| match e {
+            EventStreamError::Transport(e) if e.is_timeout() => ProviderError::Stalled(read_timeout),
             EventStreamError::Transport(e) => ProviderError::Transport(error_chain(&e)),
             other => ProviderError::Malformed(other.to_string()),
         })?;
@@ -484,6 +538,7 @@ async fn read_stream(
         }
         let Some(delta) = choice.delta else { continue };
         if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
+            grow(text.len())?;
             turn.content.push_str(&text);
             on_delta(StreamDelta::Text(text));
         }
@@ -492,6 +547,7 @@ async fn read_stream(
             .flatten()
             .find(|t| !t.is_empty());
         if let Some(text) = reasoning {
+            grow(text.len())?;
             turn.reasoning.get_or_insert_default().push_str(&text);
             on_delta(StreamDelta::Reasoning(text));
         }
@@ -501,16 +557,26 @@ async fn read_stream(
                 call.id = part.id.filter(|id| !id.is_empty());
             }
             if let Some(function) = part.function {
-                if call.name.is_empty() {
-                    call.name = function.name.unwrap_or_default();
+                // The name comes whole in one delta (OpenAI), again in every delta (some
+                // servers), or in pieces (others): a piece that differs is appended.
+                if let Some(name) = function.name.filter(|n| !n.is_empty() && *n != call.name) {
+                    grow(name.len())?;
+                    call.name.push_str(&name);
                 }
-                call.arguments
-                    .push_str(function.arguments.as_deref().unwrap_or_default());
+                let arguments = function.arguments.unwrap_or_default();
+                grow(arguments.len())?;
+                call.arguments.push_str(&arguments);
             }
         }
     }
     if !done && turn.finish_reason.is_none() {
         return Err(ProviderError::Truncated);
+    }
+    if turn.malformed_chunks > 0 && !calls.is_empty() {
+        return Err(ProviderError::Malformed(format!(
+            "{} stream chunk(s) could not be read in a response with tool calls: their arguments cannot be trusted, so none runs",
+            turn.malformed_chunks
+        )));
     }
     turn.tool_calls = calls
         .into_iter()
@@ -525,16 +591,21 @@ async fn read_stream(
     Ok(turn)
 }
 
-/// The call a tool-call delta continues: same `index`; without an index, same `id`; without
-/// either, the latest call. A new call is started when none matches.
+/// The call a tool-call delta continues: the latest with the same `index` whose id is not
+/// another one (a delta that brings a different id at a used index starts a new call); without
+/// an index, the one with the same `id`; without either, the latest call. A new call is
+/// started when none matches.
 fn call_slot<'a>(
     calls: &'a mut Vec<PartialCall>,
     index: Option<usize>,
     id: Option<&str>,
 ) -> &'a mut PartialCall {
-    let found = match (index, id) {
-        (Some(index), _) => calls.iter().position(|c| c.index == Some(index)),
-        (None, Some(id)) => calls.iter().position(|c| c.id.as_deref() == Some(id)),
+    let found = match (index, id.filter(|id| !id.is_empty())) {
+        (Some(index), Some(id)) => {
+            calls.iter().rposition(|c| c.index == Some(index) && c.id.as_deref().is_none_or(|known| known == id))
+        }
+        (Some(index), None) => calls.iter().rposition(|c| c.index == Some(index)),
+        (None, Some(id)) => calls.iter().rposition(|c| c.id.as_deref() == Some(id)),
         (None, None) => calls.len().checked_sub(1),
     };
     let position = found.unwrap_or_else(|| {
@@ -739,13 +810,16 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn assembles_parallel_tool_calls_and_skips_malformed_chunks() {
+    async fn assembles_parallel_tool_calls() {
         let (model, seen) = serve(vec![sse(&[
             r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_a","type":"function","function":{"name":"calculator","arguments":"{\"expr"}}]}}]}"#,
             r#"{"choices":[{"delta":{"tool_calls":[{"index":1,"id":"call_b","function":{"name":"current_time","arguments":""}}]}}]}"#,
-            "{not json",
             r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"ession\":\"1+1\"}"}}]}}]}"#,
             r#"{"choices":[{"delta":{"tool_calls":[{"index":1,"function":{"arguments":"{}"}},{"index":2,"function":{"name":"sleep","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":3,"id":"call_d","function":{"name":"cur","arguments":""}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":3,"id":"call_d","function":{"name":"rent_time","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":4,"id":"call_e","function":{"name":"sleep","arguments":"{\"s\":"}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":4,"id":"call_e","function":{"name":"sleep","arguments":"1}"}}]}}]}"#,
             r#"{"choices":[{"delta":{},"finish_reason":"tool_calls"}]}"#,
             "[DONE]",
         ])])
@@ -758,19 +832,22 @@ mod tests {
         let (result, deltas) = chat(&ProviderClient::new(), &model, &request).await;
         let turn = result.unwrap();
         assert!(deltas.is_empty() && turn.content.is_empty());
-        assert_eq!(turn.malformed_chunks, 1);
+        assert_eq!(turn.malformed_chunks, 0);
         assert_eq!(turn.finish_reason.as_deref(), Some("tool_calls"));
         let calls: Vec<_> = turn
             .tool_calls
             .iter()
             .map(|c| (c.name.as_str(), c.arguments.as_str()))
             .collect();
+        // A name in pieces is joined; a name repeated in every delta is kept once.
         assert_eq!(
             calls,
             [
                 ("calculator", r#"{"expression":"1+1"}"#),
                 ("current_time", "{}"),
-                ("sleep", "{}")
+                ("sleep", "{}"),
+                ("current_time", "{}"),
+                ("sleep", r#"{"s":1}"#)
             ]
         );
         assert_eq!(
@@ -784,6 +861,88 @@ mod tests {
         let body = request_json(&seen.lock().unwrap()[0]);
         assert_eq!(body["tools"][0]["function"]["name"], "calculator");
         assert_eq!(body["tool_choice"], "required");
+    }
+
+    /// Acceptance probe: a malformed chunk between two argument pieces was skipped and the
+    /// pieces joined into other valid JSON (`{"amount":1` + `,"to":"x"}`: the effect ran with
+    /// amount 1, not 1000000); two calls at one index with different ids were merged into one.
+    #[tokio::test]
+    async fn a_malformed_chunk_voids_the_tool_calls_and_a_new_id_at_an_index_is_a_new_call() {
+        let (model, _) = serve(vec![
+            sse(&[
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_a","function":{"name":"pay","arguments":"{\"amount\":1"}}]}}]}"#,
+                "{\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"000000",
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":",\"to\":\"x\"}"}}]}}]}"#,
+                r#"{"choices":[{"delta":{},"finish_reason":"tool_calls"}]}"#,
+                "[DONE]",
+            ]),
+            sse(&[
+                r#"{"choices":[{"delta":{"content":"Hel"}}]}"#,
+                "{not json",
+                r#"{"choices":[{"delta":{"content":"lo"},"finish_reason":"stop"}]}"#,
+                "[DONE]",
+            ]),
+            sse(&[
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_x","function":{"name":"fx_any","arguments":"{}"}}]}}]}"#,
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_y","function":{"name":"fx_ok","arguments":"{\"amount\":15}"}}]}}]}"#,
+                r#"{"choices":[{"delta":{},"finish_reason":"tool_calls"}]}"#,
+                "[DONE]",
+            ]),
+        ])
+        .await;
+        let client = ProviderClient::new().with_max_retries(0);
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        let error = result.unwrap_err();
+        assert_eq!(error.code(), "model_malformed_response", "{error}");
+        // A text answer with a skipped chunk is still an answer (nothing runs from it).
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        let turn = result.unwrap();
+        assert_eq!((turn.content.as_str(), turn.malformed_chunks), ("Hello", 1));
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        let calls: Vec<_> = result.unwrap().tool_calls.into_iter().map(|c| (c.id, c.name, c.arguments)).collect();
+        assert_eq!(
+            calls,
+            [
+                ("call_x".to_owned(), "fx_any".to_owned(), "{}".to_owned()),
+                ("call_y".to_owned(), "fx_ok".to_owned(), r#"{"amount":15}"#.to_owned())
+            ]
+        );
+    }
+
+    /// Acceptance probe: a stream that sent a few chunks and then nothing, its connection open,
+    /// held its slot forever; an answer of 40 MB was assembled in memory.
+    #[tokio::test]
+    async fn a_silent_stream_is_stalled_and_a_huge_answer_is_cut() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut socket, _)) = listener.accept().await else { return };
+                tokio::spawn(async move {
+                    read_request(&mut socket).await;
+                    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n";
+                    let chunk = r#"data: {"choices":[{"delta":{"content":"0123456789"}}]}"#;
+                    let _ = socket.write_all(format!("{head}{chunk}\n\n").as_bytes()).await;
+                    // Then silence, with the connection open.
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                });
+            }
+        });
+        let model = model(&format!("http://{addr}/v1"));
+        let client = ProviderClient::with_limits(Duration::from_millis(300), DEFAULT_MAX_ANSWER_BYTES).with_max_retries(0);
+        let started = std::time::Instant::now();
+        let (result, deltas) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap_err().code(), "model_stream_stalled");
+        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+        assert_eq!(deltas.len(), 1, "what came before the silence was streamed");
+
+        let words: Vec<String> = (0..40).map(|i| format!(r#"{{"choices":[{{"delta":{{"content":"{}"}}}}]}}"#, "x".repeat(100 + i))).collect();
+        let mut events: Vec<&str> = words.iter().map(String::as_str).collect();
+        events.push("[DONE]");
+        let (model, _) = serve(vec![sse(&events)]).await;
+        let client = ProviderClient::with_limits(DEFAULT_READ_TIMEOUT, 1000).with_max_retries(0);
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap_err().code(), "model_answer_too_large");
     }
 
     #[tokio::test]
