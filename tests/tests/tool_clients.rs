@@ -551,3 +551,113 @@ async fn tools_http_endless_answer_is_cut_at_the_cap_and_the_connection_dropped(
     assert!(server.written.load(Ordering::SeqCst) < 16 * 1024 * 1024, "the client hung up near the cap");
     assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
 }
+
+/// Pids of the live (not zombie) processes whose environment holds `marker`.
+fn processes_with(marker: &str) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let Ok(environ) = std::fs::read(entry.path().join("environ")) else { continue };
+        if !environ.split(|&b| b == 0).any(|var| var == marker.as_bytes()) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next());
+        if state.is_some_and(|s| s != 'Z' && s != 'X') {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// The one live stdio server process carrying `marker`, waiting up to 5 s for it.
+async fn the_process(marker: &str) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let pids = processes_with(marker);
+        if pids.len() == 1 {
+            return pids[0];
+        }
+        assert!(Instant::now() < deadline, "expected one live server process, found {pids:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn wait_gone(pid: i32, within: Duration, marker: &str) {
+    let deadline = Instant::now() + within;
+    while processes_with(marker).contains(&pid) {
+        assert!(Instant::now() < deadline, "process {pid} still runs");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A stdio MCP server that stops reading (SIGSTOP: every request sent to it goes unanswered)
+/// makes its call time out as uncertain, and the connection is discarded: the next call, of
+/// another tool, gets a fresh server process and succeeds (the stuck one is shut down). A server
+/// process killed between calls is noticed before the next call is sent: that call is never
+/// uncertain (here it is sent to a fresh process and succeeds).
+#[tokio::test]
+async fn tools_mcp_stdio_stuck_or_dead_server_is_replaced_for_the_next_call() {
+    use nix::sys::signal::kill;
+    use nix::unistd::Pid;
+    let marker = format!("AGENTLOOP_TEST_MARK={}", uuid::Uuid::new_v4());
+    let (var, value) = marker.split_once('=').unwrap();
+    let server = json!({
+        "name": "loc", "transport": "stdio", "command": bin_dir().join("mcp-test-server"), "args": ["--stdio"],
+        "env": {var: value}, "callTimeoutMs": 1000,
+    });
+    let _cleanup = KillMarked(marker.clone());
+    let registry = registry(json!({"mcpServers": [server]}));
+    let errors = registry.connect_mcp().await;
+    assert!(errors.is_empty(), "{errors:?}");
+    let first = the_process(&marker).await;
+    assert_eq!(registry.execute("loc__echo", r#"{"text": "a"}"#, ToolContext::new(KEY)).await, ToolOutcome::ok("echo: a"));
+
+    // The server hangs: the call times out (uncertain: it may have been read).
+    kill(Pid::from_raw(first), Sig::SIGSTOP).unwrap();
+    let outcome = registry.execute("loc__ticket", r#"{"title": "T"}"#, ToolContext::new(KEY)).await;
+    assert_uncertain(&outcome, "did not answer within 1000 ms");
+    // The next call (another tool) goes to a fresh process.
+    let started = Instant::now();
+    let outcome = registry.execute("loc__echo", r#"{"text": "b"}"#, ToolContext::new(KEY)).await;
+    assert_eq!(outcome, ToolOutcome::ok("echo: b"), "a stuck server is not reused");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    let second = the_process_other_than(&marker, first).await;
+    // (The client shuts the stuck one down gracefully, which takes seconds for a stopped one.)
+    let _ = kill(Pid::from_raw(first), Sig::SIGKILL);
+
+    // The server process dies between calls: the next call is not uncertain, and works.
+    kill(Pid::from_raw(second), Sig::SIGKILL).unwrap();
+    wait_gone(second, Duration::from_secs(5), &marker).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let outcome = registry.execute("loc__ticket", r#"{"title": "U"}"#, ToolContext::new(KEY)).await;
+    assert!(!outcome.uncertain, "nothing was sent to the dead process: {outcome:?}");
+    assert_eq!(outcome, ToolOutcome::ok("ticket #1 created: U"), "sent to a fresh process");
+    assert_eq!(registry.execute("loc__echo", r#"{"text": "c"}"#, ToolContext::new(KEY)).await, ToolOutcome::ok("echo: c"));
+    let third = the_process(&marker).await;
+    assert!(third != first && third != second);
+}
+
+/// Kills (SIGKILL) every process whose environment holds its marker, when dropped.
+struct KillMarked(String);
+
+impl Drop for KillMarked {
+    fn drop(&mut self) {
+        for pid in processes_with(&self.0) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Sig::SIGKILL);
+        }
+    }
+}
+
+/// The one live process carrying `marker` other than `old` (which may still be shutting down).
+async fn the_process_other_than(marker: &str, old: i32) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let pids: Vec<i32> = processes_with(marker).into_iter().filter(|&p| p != old).collect();
+        if pids.len() == 1 {
+            return pids[0];
+        }
+        assert!(Instant::now() < deadline, "expected one new server process, found {pids:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

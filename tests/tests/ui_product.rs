@@ -283,6 +283,14 @@ async fn models_input_limits_and_generation_settings() {
     assert!(r.body["error"]["message"].as_str().unwrap().contains("2560"), "{r:?}");
     let w = window(&c, &thread).await;
     assert_eq!((w["messageCount"].as_i64(), w["run"].is_null()), (Some(0), true), "nothing persisted");
+    // The same message in an import is refused too: a thread holding it could never be
+    // continued (acceptance probe: an imported 15 MiB message made every later turn fail).
+    let threads_before = c.get("/api/threads").await.unwrap().body["threads"].as_array().unwrap().len();
+    let doc = json!({"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": big}]});
+    let r = c.post("/api/threads/import", doc).await.unwrap();
+    assert_eq!((r.status, r.body["error"]["code"].as_str()), (413, Some("turn_too_large")), "{r:?}");
+    assert!(r.body["error"]["message"].as_str().unwrap().contains("messages[1]"), "{r:?}");
+    assert_eq!(c.get("/api/threads").await.unwrap().body["threads"].as_array().unwrap().len(), threads_before, "no thread was created");
 
     // Default max_tokens from the limit; the thread's settings when it has some.
     say(&c, &thread, "hello").await;

@@ -7,6 +7,14 @@
 //! key as the request's `_meta.idempotencyKey` (SPEC §7). A server that is down never fails a run:
 //! the call becomes an error result the model reads (`MCP server `x` is unavailable: ...`).
 //!
+//! **A connection is never reused after it may be stuck or is known dead.** A call that times
+//! out, or ends in a transport error, discards its connection (a stdio server's process is shut
+//! down — stdin closed, then SIGTERM, then killed — once no call uses it any more), and the next
+//! call opens a fresh one (a new process, a new HTTP session) at once, without the backoff. A
+//! connection found dead before a call is sent (the stdio process exited, the transport closed)
+//! is replaced before sending; if that fails the call is a failed tool error the model reads,
+//! never uncertain (nothing was sent).
+//!
 //! The `http` transport uses its own reqwest client: the server's connect and read timeouts, no
 //! redirects unless `"redirects": "same-origin"`, and rmcp's response limits set to
 //! `maxResponseBytes` (a JSON answer or SSE event over it is rejected while it streams in; rmcp
@@ -25,9 +33,9 @@
 //! the worker parks the run for a sign-in ([`crate::mcp_auth`]).
 //!
 //! Outcomes of a call ([`classify_call_error`]): a JSON-RPC error answer or an `isError` result
-//! is failed (the server answered), as is a failure to connect before the request was sent; a
-//! call timeout, a transport error or a connection closed after the request was sent is
-//! uncertain.
+//! is failed (the server answered), as is a failure to connect before the request was sent (and,
+//! for stdio, a failure to write the request to the server's stdin); a call timeout, a transport
+//! error or a connection closed after the request was sent is uncertain.
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock, Weak};
@@ -186,15 +194,26 @@ impl McpServer {
         self.tools.read().expect("mcp tools lock").iter().find(|t| t.name == name).cloned()
     }
 
-    /// Connects (unless connected) and refreshes the tool list. With `force` a failed server is
-    /// retried at once, else at most every [`RECONNECT_BACKOFF`]. Errors are the reason the
-    /// server is unavailable.
+    /// Connects (unless connected) and refreshes the tool list. A connection whose transport
+    /// has closed (a stdio server's process exited) is replaced. With `force` a server whose
+    /// last connection attempt failed is retried at once, else at most every
+    /// [`RECONNECT_BACKOFF`] (a connection discarded after a call is replaced at once). Errors
+    /// are the reason the server is unavailable.
     pub async fn connect(&self, force: bool) -> Result<(), String> {
+        self.connected(force).await.map(drop)
+    }
+
+    /// [`McpServer::connect`], returning the live connection.
+    async fn connected(&self, force: bool) -> Result<Arc<Client>, String> {
         let mut state = self.state.lock().await;
-        if state.client.as_ref().is_some_and(|c| !c.is_closed()) {
-            return Ok(());
+        if let Some(client) = &state.client {
+            if alive(client) {
+                return Ok(client.clone());
+            }
+            tracing::warn!(mcp.server = %self.config.name, "MCP server connection closed; reconnecting");
+            state.client = None;
         }
-        if !force && state.last_attempt.is_some_and(|t| t.elapsed() < RECONNECT_BACKOFF) {
+        if !force && state.last_error.is_some() && state.last_attempt.is_some_and(|t| t.elapsed() < RECONNECT_BACKOFF) {
             return Err(state.last_error.clone().unwrap_or_else(|| "not connected".into()));
         }
         state.last_attempt = Some(Instant::now());
@@ -202,10 +221,11 @@ impl McpServer {
         let result = match tokio::time::timeout(timeout, self.open()).await {
             Ok(Ok((client, tools))) => {
                 *self.tools.write().expect("mcp tools lock") = tools;
-                state.client = Some(Arc::new(client));
+                let client = Arc::new(client);
+                state.client = Some(client.clone());
                 state.last_error = None;
                 tracing::info!(mcp.server = %self.config.name, tools = self.tools().len(), "MCP server connected");
-                Ok(())
+                Ok(client)
             }
             Ok(Err(error)) => Err(error),
             Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
@@ -316,20 +336,26 @@ impl McpServer {
         Duration::from_millis(self.config.call_timeout_ms.unwrap_or(DEFAULT_MCP_CALL_TIMEOUT_MS))
     }
 
-    async fn peer(&self) -> Result<Arc<Client>, String> {
-        self.connect(false).await?;
-        let state = self.state.lock().await;
-        state.client.clone().ok_or_else(|| "not connected".to_owned())
+    /// Discards `client` (the connection a call used, if it is still the current one): the next
+    /// call opens a fresh one. The connection itself closes when no call holds it any more (a
+    /// stdio server's process is then shut down).
+    async fn discard(&self, client: &Arc<Client>, credential: Option<&McpCredential>) {
+        match credential.filter(|_| self.config.auth.is_some()) {
+            Some(credential) => {
+                let mut sessions = self.sessions.lock().await;
+                if sessions.get(&credential.principal).is_some_and(|s| Arc::ptr_eq(&s.client, client)) {
+                    sessions.remove(&credential.principal);
+                }
+            }
+            None => {
+                let mut state = self.state.lock().await;
+                if state.client.as_ref().is_some_and(|c| Arc::ptr_eq(c, client)) {
+                    state.client = None;
+                }
+            }
+        }
     }
 
-    async fn forget(&self) {
-        let mut state = self.state.lock().await;
-        state.client = None;
-    }
-
-    /// Calls `remote` with `args`; the result text, or a tool error the model can read
-    /// (classified by [`classify_call_error`]; a server that cannot be reached before the call
-    /// is sent is failed).
     /// The peer of `credential`'s own session, opened (with their token) unless one with the
     /// same token is open.
     async fn principal_peer(&self, credential: &McpCredential) -> Result<Arc<Client>, ToolError> {
@@ -338,7 +364,7 @@ impl McpServer {
         {
             let mut sessions = self.sessions.lock().await;
             if let Some(session) = sessions.get_mut(&credential.principal) {
-                if session.fingerprint == print && !session.client.is_closed() {
+                if session.fingerprint == print && alive(&session.client) {
                     session.used = Instant::now();
                     return Ok(session.client.clone());
                 }
@@ -362,7 +388,7 @@ impl McpServer {
         let mut sessions = self.sessions.lock().await;
         if let Some(session) = sessions.get_mut(&credential.principal)
             && session.fingerprint == print
-            && !session.client.is_closed()
+            && alive(&session.client)
         {
             // A concurrent call opened one meanwhile: share it (ours closes when dropped here).
             session.used = Instant::now();
@@ -388,7 +414,7 @@ impl McpServer {
         let client = match (oauth, credential) {
             (true, Some(credential)) => self.principal_peer(credential).await?,
             (true, None) => return Err(ToolError::Failed(format!("MCP server `{name}` acts for a signed-in user, and this call has none"))),
-            (false, _) => self.peer().await.map_err(|e| ToolError::Failed(format!("MCP server `{name}` is unavailable: {e}")))?,
+            (false, _) => self.connected(false).await.map_err(|e| ToolError::Failed(format!("MCP server `{name}` is unavailable: {e}")))?,
         };
         let arguments = match args {
             Value::Object(map) => map,
@@ -403,12 +429,8 @@ impl McpServer {
             Ok(Ok(result)) => result_text(result),
             Ok(Err(error)) => {
                 if !matches!(error, ServiceError::McpError(_)) {
-                    match credential.filter(|_| oauth) {
-                        Some(credential) => {
-                            self.sessions.lock().await.remove(&credential.principal);
-                        }
-                        None => self.forget().await,
-                    }
+                    // The connection may be broken or out of step: the next call opens another.
+                    self.discard(&client, credential).await;
                 }
                 if oauth
                     && let ServiceError::TransportSend(transport) = &error
@@ -427,11 +449,33 @@ impl McpServer {
                         "MCP server `{name}` closed the call's answer stream before answering (so does an answer over maxResponseBytes, {cap} bytes)"
                     )));
                 }
+                if let ServiceError::TransportSend(transport) = &error
+                    && self.config.transport == McpTransport::Stdio
+                {
+                    // Writing the request to the server's stdin failed (its process is gone or
+                    // closed its input): no complete request line reached it.
+                    return Err(ToolError::Failed(format!(
+                        "MCP server `{name}` is unavailable: the call could not be sent: {}",
+                        transport_text(transport.error.as_ref())
+                    )));
+                }
                 Err(classify_call_error(name, &error))
             }
-            Err(_) => Err(ToolError::Uncertain(format!("MCP server `{name}` did not answer within {} ms", timeout.as_millis()))),
+            Err(_) => {
+                // The server may be stuck (a stdio server that stopped reading its input would
+                // never read another request): never reuse this connection.
+                self.discard(&client, credential).await;
+                Err(ToolError::Uncertain(format!("MCP server `{name}` did not answer within {} ms", timeout.as_millis())))
+            }
         }
     }
+}
+
+/// Whether a connection can still carry a request: not closed, and its service loop still
+/// running (it ends when the transport closes, e.g. a stdio server's process exited; rmcp's
+/// `is_closed` alone does not notice that).
+fn alive(client: &Client) -> bool {
+    !client.is_closed() && !client.peer().is_transport_closed()
 }
 
 /// `Some(WWW-Authenticate header if any)` when a transport error is the server's refusal for
