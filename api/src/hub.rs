@@ -392,14 +392,14 @@ impl Hub {
         // own, without the lock: its read serves nobody else, and holding the lock through it
         // made every reader of the thread wait behind each laggard (acceptance probe: 100
         // clients that never read delayed a healthy reader's events by 39 s).
-        if self.is_synced(&feed) && cache.events.front().is_some_and(|(e, _)| cursor + 1 < e.sequence) {
+        if self.is_synced(&feed) && cursor < known && cache.events.front().is_some_and(|(e, _)| e.sequence > cursor.saturating_add(1)) {
             drop(cache);
-            return self.read_journal(pool, thread_id, cursor).await.map(|(_, batch)| batch);
+            return self.read_batch(pool, thread_id, cursor).await.map(|(_, batch)| batch);
         }
         // The ticket is taken before the first statement: whatever a resync after this point
         // stands for may be missing from what is read, so it must not count as seen.
         let ticket = self.begin_read();
-        let (current, batch) = self.read_journal(pool, thread_id, cursor).await?;
+        let (current, batch) = self.read_batch(pool, thread_id, cursor).await?;
         feed.known.fetch_max(current, Ordering::AcqRel);
         self.finish_read(&feed, ticket);
         if let Batch::Events(events) = &batch {
@@ -410,7 +410,7 @@ impl Hub {
 
     /// Reads the journal of `thread_id` after `cursor`: (the thread's event position, the batch
     /// with payloads slimmed). Errors are database errors, as text.
-    async fn read_journal(&self, pool: &PgPool, thread_id: Uuid, cursor: i64) -> Result<(i64, Batch), String> {
+    async fn read_batch(&self, pool: &PgPool, thread_id: Uuid, cursor: i64) -> Result<(i64, Batch), String> {
         let mut conn = pool.get().await.map_err(|e| e.to_string())?;
         let current = agentloop_shared::threads::event_position(&mut conn, thread_id).await.map_err(|e| e.to_string())?;
         let mut batch = next_batch(&mut conn, thread_id, cursor, current, self.bounds.event_bytes).await.map_err(|e| e.to_string())?;

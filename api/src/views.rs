@@ -71,19 +71,40 @@ pub async fn streaming(conn: &mut AsyncPgConnection, thread: &Thread) -> diesel:
     Ok(json!({"runId": run_id, "content": content, "reasoning": reasoning}))
 }
 
-/// A message's JSON; content longer than `max_bytes` is cut with a marker and `truncated: true`.
+/// A message's JSON; a message larger than `max_bytes` has its content, reasoning and each tool
+/// call's `arguments` cut to `max_bytes` with a marker, and `truncated: true` (before, only the
+/// content was cut: a message with 2 MB of tool-call arguments came back whole, marked
+/// truncated — acceptance probe).
 pub fn message_json(message: &Message, max_bytes: usize) -> Value {
     let mut value = serde_json::to_value(message).unwrap_or_default();
     if message.byte_size as usize > max_bytes {
-        let text = message.text();
-        let mut cut = max_bytes.min(text.len());
-        while !text.is_char_boundary(cut) {
-            cut -= 1;
+        value["content"] = json!(cut_text(&message.text(), max_bytes));
+        if let Some(reasoning) = message.reasoning.as_deref().filter(|r| r.len() > max_bytes) {
+            value["reasoning"] = json!(cut_text(reasoning, max_bytes));
         }
-        value["content"] = json!(format!("{}\n…[{} bytes omitted]", &text[..cut], text.len() - cut));
+        for call in value.get_mut("toolCalls").and_then(Value::as_array_mut).into_iter().flatten() {
+            // Stored as `{id, name, arguments}` or in OpenAI's `{function: {name, arguments}}`.
+            let arguments = if call.get("function").is_some() { &mut call["function"]["arguments"] } else { &mut call["arguments"] };
+            if let Some(text) = arguments.as_str().filter(|t| t.len() > max_bytes) {
+                *arguments = json!(cut_text(text, max_bytes));
+            }
+        }
         value["truncated"] = json!(true);
     }
     value
+}
+
+/// `text`'s first `max_bytes` (on a character boundary) and `\n…[N bytes omitted]`, or `text`
+/// itself when it fits.
+fn cut_text(text: &str, max_bytes: usize) -> String {
+    if text.len() <= max_bytes {
+        return text.to_owned();
+    }
+    let mut cut = max_bytes;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}\n…[{} bytes omitted]", &text[..cut], text.len() - cut)
 }
 
 /// Takes messages in order until `budget` bytes are used (at least one, truncated if huge).

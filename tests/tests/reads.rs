@@ -272,6 +272,19 @@ async fn paging_is_byte_bounded_and_truncates_a_huge_message() {
     // Forward from before it: the small messages after it are not pushed out by it.
     let p = page(&stack, &thread, "after=301").await;
     assert_eq!(seqs(&p["messages"]), range(302, 306));
+
+    // A message whose size is in its tool calls: their arguments are cut too, the short content
+    // is left as it is (acceptance probe: 2 MB of arguments came back whole, marked truncated,
+    // with the content turned into "\n…[0 bytes omitted]").
+    let mut big = Row { role: "assistant", text: "calling".into(), tool_calls: None, tool_call_id: None };
+    big.tool_calls = Some(json!([{"id": "c1", "name": "pay", "arguments": format!("{{\"memo\":\"{}\"}}", "m".repeat(2 * 1024 * KIB))}]));
+    let last = insert(&db, &thread, &[big]).await;
+    let p = page(&stack, &thread, &format!("after={}&maxBytes=100000", last - 1)).await;
+    let m = &p["messages"][0];
+    assert_eq!((m["sequence"].as_i64(), m["truncated"].as_bool(), m["content"].as_str()), (Some(last), Some(true), Some("calling")));
+    let arguments = m["toolCalls"][0]["arguments"].as_str().unwrap();
+    assert!(arguments.len() <= 100_000 + 64 && arguments.ends_with("bytes omitted]"), "{}", arguments.len());
+    assert_eq!((m["toolCalls"][0]["id"].as_str(), m["toolCalls"][0]["name"].as_str()), (Some("c1"), Some("pay")));
 }
 
 #[tokio::test]
