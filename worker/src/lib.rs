@@ -72,9 +72,10 @@ pub struct WorkerConfig {
     #[arg(long, env = "WORKER_OUTAGE_HOLD_MS", default_value = "300000", value_parser = parse_millis)]
     pub outage_hold: Duration,
 
-    /// Longest silence in ms of a model's response (between any two reads, the wait for its
-    /// headers included) before the call is given up as `model_stream_stalled` (a stream that
-    /// stops with its connection open would otherwise hold its slot forever).
+    /// Longest time in ms a model's response may go without anything that carries part of the
+    /// answer (no byte at all, the wait for its headers included, or only keep-alives and
+    /// empty deltas) before the call is given up as `model_stream_stalled` (a stream stuck with
+    /// its connection open would otherwise hold its slot forever).
     #[arg(long, env = "MODEL_STREAM_IDLE_MS", default_value = "300000", value_parser = parse_millis)]
     pub model_stream_idle: Duration,
 

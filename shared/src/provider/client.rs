@@ -113,11 +113,14 @@ pub enum ProviderError {
     /// tool calls had chunks that could not be read (the calls' arguments cannot be trusted).
     #[error("malformed model response: {0}")]
     Malformed(String),
-    /// No byte of the response arrived for the read timeout (`MODEL_STREAM_IDLE_MS`): a stream
-    /// that went silent with its connection open.
+    /// Nothing that carries part of the answer (text, reasoning, a tool-call piece, usage, a
+    /// finish reason) arrived for `MODEL_STREAM_IDLE_MS` — no byte at all (reqwest's read
+    /// timeout, the wait for the headers included), or only keep-alive comments and empty
+    /// deltas: a stream stuck with its connection open.
     #[error("the model sent nothing for {0:?} (MODEL_STREAM_IDLE_MS); the stream was given up")]
     Stalled(Duration),
-    /// The answer (text, reasoning and tool calls) grew past `MODEL_MAX_ANSWER_BYTES`.
+    /// The answer (text, reasoning and tool calls) grew past `MODEL_MAX_ANSWER_BYTES`, or the
+    /// stream as read (empty deltas included) past four times that.
     #[error("the model's answer exceeded {0} bytes (MODEL_MAX_ANSWER_BYTES); the stream was cut")]
     TooLarge(usize),
 }
@@ -487,12 +490,28 @@ async fn read_stream(
         answer_bytes += bytes;
         if answer_bytes > max_answer_bytes { Err(ProviderError::TooLarge(max_answer_bytes)) } else { Ok(()) }
     };
-    while let Some(event) = events.next().await {
+    // Everything read counts too, at four times the answer's cap: a stream of empty deltas is
+    // no answer but is read all the same (verification probe: 300 MB of empty chunks).
+    let mut read_bytes = 0usize;
+    // Silence is measured between chunks that carry something (text, reasoning, a tool-call
+    // piece, usage, a finish reason): keep-alive comments or empty deltas alone kept a stuck
+    // stream going for as long as they came (verification probe).
+    let mut progress_deadline = tokio::time::Instant::now() + read_timeout;
+    loop {
+        let next = match tokio::time::timeout_at(progress_deadline, events.next()).await {
+            Ok(next) => next,
+            Err(_) => return Err(ProviderError::Stalled(read_timeout)),
+        };
+        let Some(event) = next else { break };
         let event = event.map_err(|e| match e {
             EventStreamError::Transport(e) if e.is_timeout() => ProviderError::Stalled(read_timeout),
             EventStreamError::Transport(e) => ProviderError::Transport(error_chain(&e)),
             other => ProviderError::Malformed(other.to_string()),
         })?;
+        read_bytes += event.data.len();
+        if read_bytes > max_answer_bytes.saturating_mul(4) {
+            return Err(ProviderError::TooLarge(max_answer_bytes));
+        }
         let data = event.data.trim();
         if data == "[DONE]" {
             done = true;
@@ -526,6 +545,7 @@ async fn read_stream(
         }
         if chunk.usage.is_some() {
             turn.usage = chunk.usage;
+            progress_deadline = tokio::time::Instant::now() + read_timeout;
         }
         if turn.response_model.is_none() {
             turn.response_model = chunk.model.filter(|m| !m.is_empty());
@@ -535,8 +555,15 @@ async fn read_stream(
         };
         if choice.finish_reason.is_some() {
             turn.finish_reason = choice.finish_reason;
+            progress_deadline = tokio::time::Instant::now() + read_timeout;
         }
         let Some(delta) = choice.delta else { continue };
+        let carries = delta.content.as_deref().is_some_and(|t| !t.is_empty())
+            || [&delta.reasoning_content, &delta.reasoning, &delta.thinking].iter().any(|t| t.as_deref().is_some_and(|t| !t.is_empty()))
+            || delta.tool_calls.as_ref().is_some_and(|c| !c.is_empty());
+        if carries {
+            progress_deadline = tokio::time::Instant::now() + read_timeout;
+        }
         if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
             grow(text.len())?;
             turn.content.push_str(&text);
@@ -943,6 +970,41 @@ mod tests {
         let client = ProviderClient::with_limits(DEFAULT_READ_TIMEOUT, 1000).with_max_retries(0);
         let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
         assert_eq!(result.unwrap_err().code(), "model_answer_too_large");
+
+        // Empty deltas are read too: a flood of them is cut at four times the cap.
+        let empty: Vec<&str> = std::iter::repeat_n(r#"{"choices":[{"delta":{}}]}"#, 200).chain(["[DONE]"]).collect();
+        let (model, _) = serve(vec![sse(&empty)]).await;
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap_err().code(), "model_answer_too_large");
+    }
+
+    /// Verification probe: keep-alive comments (or empty deltas) every second kept a stuck
+    /// stream going for as long as they came; silence is measured between chunks that carry
+    /// part of the answer.
+    #[tokio::test]
+    async fn keep_alives_alone_do_not_keep_a_stream_going() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let Ok((mut socket, _)) = listener.accept().await else { return };
+            read_request(&mut socket).await;
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n";
+            let _ = socket.write_all(head.as_bytes()).await;
+            let _ = socket.write_all(b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n").await;
+            for i in 0..100 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let beat: &[u8] = if i % 2 == 0 { b": keep-alive\n\n" } else { b"data: {\"choices\":[{\"delta\":{}}]}\n\n" };
+                if socket.write_all(beat).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let model = model(&format!("http://{addr}/v1"));
+        let client = ProviderClient::with_limits(Duration::from_millis(700), DEFAULT_MAX_ANSWER_BYTES).with_max_retries(0);
+        let started = std::time::Instant::now();
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap_err().code(), "model_stream_stalled");
+        assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
     }
 
     #[tokio::test]
