@@ -251,8 +251,24 @@ pub fn install_crypto() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
-/// A free loopback port (bound then released; fine for tests).
+/// A free loopback port for a process the test starts (bound then released), never handed out
+/// twice by this process. Taken below Linux's ephemeral range (32768..=60999): a port from that
+/// range, released, could be taken as the source port of any outgoing connection of a parallel
+/// test before the process binds it (CI: an api of the load-balancer test failed with "Address
+/// already in use"); outside it only an explicit bind can take it. Falls back to a port the
+/// kernel picks.
 pub fn free_port() -> u16 {
+    use rand::Rng;
+    static HANDED: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut handed = HANDED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut rng = rand::rng();
+    for _ in 0..200 {
+        let port = rng.random_range(20_000..32_000);
+        if !handed.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed.push(port);
+            return port;
+        }
+    }
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
 
