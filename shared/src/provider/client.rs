@@ -438,6 +438,8 @@ struct Chunk {
 
 #[derive(Deserialize)]
 struct ChunkChoice {
+    /// `message` in a whole (non-streamed) `chat.completion`.
+    #[serde(alias = "message")]
     delta: Option<ChunkDelta>,
     finish_reason: Option<String>,
 }
@@ -445,6 +447,7 @@ struct ChunkChoice {
 #[derive(Deserialize)]
 struct ChunkDelta {
     content: Option<String>,
+    refusal: Option<String>,
     reasoning_content: Option<String>,
     reasoning: Option<String>,
     thinking: Option<String>,
@@ -473,7 +476,10 @@ struct PartialCall {
     arguments: String,
 }
 
-/// Reads the event stream of a successful response and assembles the turn.
+/// Reads a successful response and assembles the turn: the event stream asked for, or a whole
+/// `chat.completion` object when the server answered `application/json` (some
+/// OpenAI-compatible servers ignore `stream: true`; its `choices[0].message` is read as one
+/// delta, under the same bounds).
 async fn read_stream(
     response: reqwest::Response,
     model: &ModelConfig,
@@ -481,15 +487,27 @@ async fn read_stream(
     max_answer_bytes: usize,
     on_delta: &mut (dyn FnMut(StreamDelta) + Send),
 ) -> Result<AssistantTurn, ProviderError> {
+    let mut assembly = Assembly { max_answer_bytes, ..Assembly::default() };
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().to_ascii_lowercase().starts_with("application/json"));
+    if is_json {
+        let body = read_body(response, read_timeout, max_answer_bytes.saturating_mul(4)).await?;
+        let data = String::from_utf8_lossy(&body);
+        let mut chunk = serde_json::from_str::<Chunk>(data.trim())
+            .map_err(|e| ProviderError::Malformed(format!("the JSON answer is not a chat completion ({e})")))?;
+        // A whole message lists its calls without `index`: each is its own call.
+        let choice = chunk.choices.iter_mut().flatten().next();
+        for (i, call) in choice.and_then(|c| c.delta.as_mut()).and_then(|d| d.tool_calls.as_mut()).into_iter().flatten().enumerate() {
+            call.index.get_or_insert(i);
+        }
+        assembly.apply(chunk, &data, model, on_delta)?;
+        return assembly.finish(true);
+    }
     let mut events = response.bytes_stream().eventsource();
-    let mut turn = AssistantTurn::default();
-    let mut calls: Vec<PartialCall> = Vec::new();
     let mut done = false;
-    let mut answer_bytes = 0usize;
-    let mut grow = |bytes: usize| {
-        answer_bytes += bytes;
-        if answer_bytes > max_answer_bytes { Err(ProviderError::TooLarge(max_answer_bytes)) } else { Ok(()) }
-    };
     // Everything read counts too, at four times the answer's cap: a stream of empty deltas is
     // no answer but is read all the same (verification probe: 300 MB of empty chunks).
     let mut read_bytes = 0usize;
@@ -524,10 +542,62 @@ async fn read_stream(
             Ok(chunk) => chunk,
             Err(e) => {
                 tracing::warn!(model.name = %model.id, error = %e, chunk_bytes = data.len(), "skipping malformed stream chunk");
-                turn.malformed_chunks += 1;
+                assembly.turn.malformed_chunks += 1;
                 continue;
             }
         };
+        if assembly.apply(chunk, data, model, on_delta)? {
+            progress_deadline = tokio::time::Instant::now() + read_timeout;
+        }
+    }
+    assembly.finish(done)
+}
+
+/// The body of a non-streamed answer, at most `max_bytes` (else
+/// [`ProviderError::TooLarge`]); each read waits at most `read_timeout`.
+async fn read_body(mut response: reqwest::Response, read_timeout: Duration, max_bytes: usize) -> Result<Vec<u8>, ProviderError> {
+    let mut body = Vec::new();
+    loop {
+        let chunk = match tokio::time::timeout(read_timeout, response.chunk()).await {
+            Err(_) => return Err(ProviderError::Stalled(read_timeout)),
+            Ok(Err(e)) if e.is_timeout() => return Err(ProviderError::Stalled(read_timeout)),
+            Ok(Err(e)) => return Err(ProviderError::Transport(error_chain(&e))),
+            Ok(Ok(None)) => return Ok(body),
+            Ok(Ok(Some(chunk))) => chunk,
+        };
+        if body.len() + chunk.len() > max_bytes {
+            return Err(ProviderError::TooLarge(max_bytes / 4));
+        }
+        body.extend_from_slice(&chunk);
+    }
+}
+
+/// A turn being assembled from chunks, bounded by `MODEL_MAX_ANSWER_BYTES`.
+#[derive(Default)]
+struct Assembly {
+    turn: AssistantTurn,
+    calls: Vec<PartialCall>,
+    answer_bytes: usize,
+    max_answer_bytes: usize,
+}
+
+impl Assembly {
+    fn grow(&mut self, bytes: usize) -> Result<(), ProviderError> {
+        self.answer_bytes += bytes;
+        if self.answer_bytes > self.max_answer_bytes { Err(ProviderError::TooLarge(self.max_answer_bytes)) } else { Ok(()) }
+    }
+
+    /// Adds one chunk (`data` is its text, for error messages). Returns whether it carried
+    /// part of the answer (text, reasoning, a refusal, a tool-call piece, usage or a finish
+    /// reason), which resets the idle deadline. Errors: an `error` object in the chunk
+    /// ([`ProviderError::Http`]), or the answer growing past its cap.
+    fn apply(
+        &mut self,
+        chunk: Chunk,
+        data: &str,
+        model: &ModelConfig,
+        on_delta: &mut (dyn FnMut(StreamDelta) + Send),
+    ) -> Result<bool, ProviderError> {
         if let Some(error) = chunk.error.filter(|e| !e.is_null()) {
             let status = error
                 .get("code")
@@ -543,30 +613,27 @@ async fn read_stream(
             );
             return Err(ProviderError::Http { status, message });
         }
+        let mut carries = false;
         if chunk.usage.is_some() {
-            turn.usage = chunk.usage;
-            progress_deadline = tokio::time::Instant::now() + read_timeout;
+            self.turn.usage = chunk.usage;
+            carries = true;
         }
-        if turn.response_model.is_none() {
-            turn.response_model = chunk.model.filter(|m| !m.is_empty());
+        if self.turn.response_model.is_none() {
+            self.turn.response_model = chunk.model.filter(|m| !m.is_empty());
         }
         let Some(choice) = chunk.choices.and_then(|c| c.into_iter().next()) else {
-            continue;
+            return Ok(carries);
         };
         if choice.finish_reason.is_some() {
-            turn.finish_reason = choice.finish_reason;
-            progress_deadline = tokio::time::Instant::now() + read_timeout;
+            self.turn.finish_reason = choice.finish_reason;
+            carries = true;
         }
-        let Some(delta) = choice.delta else { continue };
-        let carries = delta.content.as_deref().is_some_and(|t| !t.is_empty())
-            || [&delta.reasoning_content, &delta.reasoning, &delta.thinking].iter().any(|t| t.as_deref().is_some_and(|t| !t.is_empty()))
-            || delta.tool_calls.as_ref().is_some_and(|c| !c.is_empty());
-        if carries {
-            progress_deadline = tokio::time::Instant::now() + read_timeout;
-        }
-        if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
-            grow(text.len())?;
-            turn.content.push_str(&text);
+        let Some(delta) = choice.delta else { return Ok(carries) };
+        // A refusal (OpenAI's `refusal`, sent instead of content) is the answer the user sees.
+        for text in [delta.content, delta.refusal].into_iter().flatten().filter(|t| !t.is_empty()) {
+            carries = true;
+            self.grow(text.len())?;
+            self.turn.content.push_str(&text);
             on_delta(StreamDelta::Text(text));
         }
         let reasoning = [delta.reasoning_content, delta.reasoning, delta.thinking]
@@ -574,59 +641,64 @@ async fn read_stream(
             .flatten()
             .find(|t| !t.is_empty());
         if let Some(text) = reasoning {
-            grow(text.len())?;
-            turn.reasoning.get_or_insert_default().push_str(&text);
+            carries = true;
+            self.grow(text.len())?;
+            self.turn.reasoning.get_or_insert_default().push_str(&text);
             on_delta(StreamDelta::Reasoning(text));
         }
         for part in delta.tool_calls.into_iter().flatten() {
-            let call = call_slot(&mut calls, part.index, part.id.as_deref());
-            if call.id.is_none() {
-                call.id = part.id.filter(|id| !id.is_empty());
+            carries = true;
+            let position = call_slot(&mut self.calls, part.index, part.id.as_deref());
+            let slot = &mut self.calls[position];
+            if slot.id.is_none() {
+                slot.id = part.id.filter(|id| !id.is_empty());
             }
-            if let Some(function) = part.function {
-                // The name comes whole in one delta (OpenAI), again in every delta (some
-                // servers), or in pieces (others): a piece that differs is appended.
-                if let Some(name) = function.name.filter(|n| !n.is_empty() && *n != call.name) {
-                    grow(name.len())?;
-                    call.name.push_str(&name);
-                }
-                let arguments = function.arguments.unwrap_or_default();
-                grow(arguments.len())?;
-                call.arguments.push_str(&arguments);
+            let Some(function) = part.function else { continue };
+            // The name comes whole in one delta (OpenAI), again in every delta (some servers),
+            // or in pieces (others): a piece that differs is appended.
+            let name = function.name.filter(|n| !n.is_empty() && *n != slot.name);
+            let arguments = function.arguments.unwrap_or_default();
+            self.grow(name.as_ref().map_or(0, String::len) + arguments.len())?;
+            let slot = &mut self.calls[position];
+            if let Some(name) = name {
+                slot.name.push_str(&name);
             }
+            slot.arguments.push_str(&arguments);
         }
+        Ok(carries)
     }
-    if !done && turn.finish_reason.is_none() {
-        return Err(ProviderError::Truncated);
+
+    /// The assembled turn; `done` is whether the stream ended with `[DONE]` (or was a whole
+    /// JSON answer). Errors: [`ProviderError::Truncated`] (neither `[DONE]` nor a finish
+    /// reason), [`ProviderError::Malformed`] (unreadable chunks in an answer with tool calls).
+    fn finish(mut self, done: bool) -> Result<AssistantTurn, ProviderError> {
+        if !done && self.turn.finish_reason.is_none() {
+            return Err(ProviderError::Truncated);
+        }
+        if self.turn.malformed_chunks > 0 && !self.calls.is_empty() {
+            return Err(ProviderError::Malformed(format!(
+                "{} stream chunk(s) could not be read in a response with tool calls: their arguments cannot be trusted, so none runs",
+                self.turn.malformed_chunks
+            )));
+        }
+        self.turn.tool_calls = self
+            .calls
+            .into_iter()
+            .map(|c| ToolCall {
+                id: c.id.unwrap_or_else(|| format!("call_{}", uuid::Uuid::new_v4().simple())),
+                name: c.name,
+                arguments: c.arguments,
+            })
+            .collect();
+        Ok(self.turn)
     }
-    if turn.malformed_chunks > 0 && !calls.is_empty() {
-        return Err(ProviderError::Malformed(format!(
-            "{} stream chunk(s) could not be read in a response with tool calls: their arguments cannot be trusted, so none runs",
-            turn.malformed_chunks
-        )));
-    }
-    turn.tool_calls = calls
-        .into_iter()
-        .map(|c| ToolCall {
-            id: c
-                .id
-                .unwrap_or_else(|| format!("call_{}", uuid::Uuid::new_v4().simple())),
-            name: c.name,
-            arguments: c.arguments,
-        })
-        .collect();
-    Ok(turn)
 }
 
-/// The call a tool-call delta continues: the latest with the same `index` whose id is not
+/// The position in `calls` of the call a tool-call delta continues: the latest with the same `index` whose id is not
 /// another one (a delta that brings a different id at a used index starts a new call); without
 /// an index, the one with the same `id`; without either, the latest call. A new call is
 /// started when none matches.
-fn call_slot<'a>(
-    calls: &'a mut Vec<PartialCall>,
-    index: Option<usize>,
-    id: Option<&str>,
-) -> &'a mut PartialCall {
+fn call_slot(calls: &mut Vec<PartialCall>, index: Option<usize>, id: Option<&str>) -> usize {
     let found = match (index, id.filter(|id| !id.is_empty())) {
         (Some(index), Some(id)) => {
             calls.iter().rposition(|c| c.index == Some(index) && c.id.as_deref().is_none_or(|known| known == id))
@@ -635,14 +707,13 @@ fn call_slot<'a>(
         (None, Some(id)) => calls.iter().rposition(|c| c.id.as_deref() == Some(id)),
         (None, None) => calls.len().checked_sub(1),
     };
-    let position = found.unwrap_or_else(|| {
+    found.unwrap_or_else(|| {
         calls.push(PartialCall {
             index,
             ..PartialCall::default()
         });
         calls.len() - 1
-    });
-    &mut calls[position]
+    })
 }
 
 /// The provider's error text: `error.message`, a string `error`, or `message` from a JSON
@@ -834,6 +905,42 @@ mod tests {
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(body["max_tokens"], 64);
         assert!(body.get("tools").is_none() && body.get("tool_choice").is_none());
+    }
+
+    /// A server that ignores `stream: true` and answers one `chat.completion` object is read
+    /// as one delta (it was `model_stream_truncated`); a refusal is the answer's text; the same
+    /// bounds hold.
+    #[tokio::test]
+    async fn a_whole_json_answer_and_a_refusal_are_read() {
+        let json_answer = |body: &str| http("200 OK", "Content-Type: application/json; charset=utf-8\r\n", body);
+        let (model, _) = serve(vec![
+            json_answer(
+                r#"{"id":"x","object":"chat.completion","model":"m-1","choices":[{"index":0,"message":{"role":"assistant","content":"Hi","reasoning_content":"think","tool_calls":[{"id":"c1","type":"function","function":{"name":"calculator","arguments":"{\"expression\":\"1+1\"}"}},{"type":"function","function":{"name":"sleep","arguments":"{}"}}]},"finish_reason":"tool_calls"}],"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#,
+            ),
+            sse(&[r#"{"choices":[{"delta":{"refusal":"I can't help with that."},"finish_reason":"stop"}]}"#, "[DONE]"]),
+            json_answer(r#"{"error":{"message":"overloaded","code":503}}"#),
+            json_answer(r#"{"not":"a completion"#),
+            json_answer(&format!(r#"{{"choices":[{{"message":{{"content":"{}"}},"finish_reason":"stop"}}]}}"#, "x".repeat(5000))),
+        ])
+        .await;
+        let client = ProviderClient::with_limits(Duration::from_secs(5), 1000);
+        let (result, deltas) = chat(&client, &model, &ChatRequest::default()).await;
+        let turn = result.unwrap();
+        assert_eq!((turn.content.as_str(), turn.reasoning.as_deref(), turn.finish_reason.as_deref()), ("Hi", Some("think"), Some("tool_calls")));
+        assert_eq!(deltas, [StreamDelta::Text("Hi".into()), StreamDelta::Reasoning("think".into())]);
+        let calls: Vec<_> = turn.tool_calls.iter().map(|c| (c.name.as_str(), c.arguments.as_str())).collect();
+        assert_eq!(calls, [("calculator", r#"{"expression":"1+1"}"#), ("sleep", "{}")], "two calls, the second without an id");
+        assert_eq!(turn.tool_calls[0].id, "c1");
+        assert_eq!((turn.usage.unwrap().total_tokens, turn.response_model.as_deref()), (7, Some("m-1")));
+
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap().content, "I can't help with that.");
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        assert!(matches!(result, Err(ProviderError::Http { status: 503, ref message }) if message.contains("overloaded")), "{result:?}");
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap_err().code(), "model_malformed_response");
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap_err().code(), "model_answer_too_large");
     }
 
     #[tokio::test]

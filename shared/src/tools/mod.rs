@@ -388,10 +388,87 @@ fn parse_arguments(raw: &str) -> Result<Map<String, Value>, String> {
         return Ok(Map::new());
     }
     match serde_json::from_str::<Value>(raw) {
-        Ok(Value::Object(args)) => Ok(args),
+        Ok(Value::Object(args)) => match inexact_number(raw) {
+            None => Ok(args),
+            Some(number) => Err(format!(
+                "the number {} has more digits than a tool's arguments carry exactly (64-bit integers, 64-bit floats); send it as a string",
+                truncate_middle(number.to_owned(), 80)
+            )),
+        },
         Ok(_) => Err("expected a JSON object".to_owned()),
         Err(e) => Err(format!("not valid JSON ({e})")),
     }
+}
+
+/// The first number of the JSON text `raw` (valid JSON) that would not reach a tool as written:
+/// an integer beyond 64 bits or a decimal with more digits than a 64-bit float holds
+/// (`12345678901234567890123`, `0.12345678901234567891`). Arguments are parsed into
+/// `serde_json::Value`, which keeps only `i64`, `u64` and `f64`; such a number would be rounded
+/// and the tool would act on a value the model never sent (acceptance probe: an `amount`
+/// changed in flight is the same class as arguments joined from the wrong pieces). Numbers that
+/// differ only in spelling (`1.10`, `1E2`, `-0`) are exact and pass.
+fn inexact_number(raw: &str) -> Option<&str> {
+    let bytes = raw.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'"' => {
+                i += 1;
+                while i < bytes.len() && bytes[i] != b'"' {
+                    i += if bytes[i] == b'\\' { 2 } else { 1 };
+                }
+                i += 1;
+            }
+            b'-' | b'0'..=b'9' => {
+                let start = i;
+                while i < bytes.len() && matches!(bytes[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') {
+                    i += 1;
+                }
+                let token = &raw[start..i];
+                if !number_is_exact(token) {
+                    return Some(token);
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    None
+}
+
+/// True if the JSON number `token` survives `serde_json::Value` unchanged in value.
+fn number_is_exact(token: &str) -> bool {
+    let integer = !token.contains(['.', 'e', 'E']);
+    if integer && (token.parse::<i64>().is_ok() || token.parse::<u64>().is_ok()) {
+        return true;
+    }
+    // Parsed as serde_json parses it, then written back in its shortest exact form.
+    match serde_json::from_str::<f64>(token) {
+        Ok(float) if float.is_finite() => decimal(token) == decimal(&format!("{float:e}")),
+        _ => false,
+    }
+}
+
+/// A decimal number's value as `(negative, digits, exponent)` with `value = 0.digits x
+/// 10^exponent`, without leading or trailing zeros in `digits` (zero is `(_, "", 0)`); `None`
+/// for an exponent too large to hold.
+fn decimal(number: &str) -> Option<(bool, String, i64)> {
+    let (negative, unsigned) = match number.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, number),
+    };
+    let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
+        Some((m, e)) => (m, e.trim_start_matches('+').parse::<i64>().ok()?),
+        None => (unsigned, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits = format!("{whole}{fraction}");
+    let leading = digits.len() - digits.trim_start_matches('0').len();
+    let digits = digits.trim_start_matches('0').trim_end_matches('0');
+    if digits.is_empty() {
+        return Some((false, String::new(), 0));
+    }
+    let exponent = (whole.len() as i64 - leading as i64).checked_add(exponent)?;
+    Some((negative, digits.to_owned(), exponent))
 }
 
 /// Enforces the schema's `required` list and `properties.*.type` (a name or a list of names);
@@ -498,6 +575,27 @@ mod tests {
         let remote = serde_json::json!({"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}, "required": ["a"]});
         assert!(validate_arguments(&remote, &serde_json::json!({"a": 1})).is_ok());
         assert!(validate_arguments(&remote, &serde_json::json!({})).is_err());
+    }
+
+    /// A number that `serde_json::Value` would round is refused, never passed on changed;
+    /// numbers that only look different (`1.10`, `1E2`, `-0`, 64-bit extremes) pass. 2^64 is
+    /// a float exactly, but would be written back as 18446744073709552000.
+    #[test]
+    fn numbers_a_tool_would_receive_rounded_are_refused() {
+        for exact in [
+            "0", "-0", "1.10", "1E2", "1e-7", "0.1", "-2.5e+300", "9007199254740993", "-9223372036854775808",
+            "18446744073709551615", "123456789012345.6", "5e-324", "1.7976931348623157e308",
+        ] {
+            assert!(number_is_exact(exact), "{exact} is carried exactly");
+            let raw = format!(r#"{{"a": {exact}, "s": "1234567890123456789012345"}}"#);
+            assert!(parse_arguments(&raw).is_ok(), "{raw}");
+        }
+        for rounded in ["18446744073709551616", "18446744073709551617", "-9223372036854775809", "0.12345678901234567891", "12345678901234567.89", "1.00000000000000001"] {
+            assert!(!number_is_exact(rounded), "{rounded} would be rounded");
+            let raw = format!(r#"{{"note": "a \"quoted\" 1.5", "nested": [1, {{"amount": {rounded}}}]}}"#);
+            let problem = parse_arguments(&raw).expect_err(&raw);
+            assert!(problem.contains(rounded) && problem.contains("string"), "{problem}");
+        }
     }
 
     /// Returns `text` repeated `times` times, or fails with `text` when `fail` is true.
