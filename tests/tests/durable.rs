@@ -1264,6 +1264,18 @@ async fn durable_a_read_only_database_pauses_runs_and_fails_none() {
         assert!(r.status == 503 && Instant::now() < deadline, "a read while read-only: {r:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Readiness says so: a load balancer and the UI see a database that takes no writes.
+    // (A pooled connection the termination broke may answer `database_unavailable` first.)
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let ready = c.get("/readyz").await.unwrap();
+        let code = ready.body["error"]["code"].as_str().map(str::to_owned);
+        if code.as_deref() == Some("database_read_only") {
+            break;
+        }
+        assert!(code.as_deref() == Some("database_unavailable") && Instant::now() < deadline, "/readyz while read-only: {ready:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // A new turn: a clean 503 `database_unavailable` within the api's retry window, not a hang
     // and not a 500.
     let turn = json!({"content": script(json!([{"text": "refused, then accepted"}]))});
@@ -1289,7 +1301,13 @@ async fn durable_a_read_only_database_pauses_runs_and_fails_none() {
     let read_only_for = started.elapsed();
     eprintln!("writable again after {read_only_for:?}; run statuses at the end of it {during:?}");
 
-    // Writable again: the refused turn, retried with its key, is accepted once.
+    // Writable again: ready again (a pooled session may still be the read-only one's, at most
+    // once per connection), and the refused turn, retried with its key, is accepted once.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.get("/readyz").await.unwrap().status != 200 {
+        assert!(Instant::now() < deadline, "/readyz still not ready once writable");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let (status, body) = post_retrying(&c, &path, turn, "read-only-turn").await;
     assert_eq!(status, 202, "{body}");
     turns.push((refused.clone(), id(&body["run"]), "refused, then accepted".into()));

@@ -1516,10 +1516,11 @@ async function checkReady() {
   try {
     const r = await fetch('/readyz', {cache: 'no-store'});
     // 503 also means `draining` (this api process is shutting down; another one, or its
-    // restart, serves next): only `database_unavailable` says PostgreSQL is away.
+    // restart, serves next): only `database_unavailable` / `database_read_only` say
+    // PostgreSQL cannot take this session's work.
     const code = r.status === 503 ? ((await r.json().catch(() => null))?.error?.code) : null;
     if (r.ok) setDbDown(false);
-    else if (code === 'database_unavailable') setDbDown(true);
+    else if (code === 'database_unavailable' || code === 'database_read_only') setDbDown(true);
   } catch (_) { /* the server itself is away: requests report it */ }
 }
 

@@ -25,9 +25,18 @@ pub async fn metrics(state: web::Data<AppState>) -> HttpResponse {
 /// is unavailable (a half-open connection must not hang the probe, nor the web UI's banner).
 const READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// `GET /readyz`: PostgreSQL answers a query within 2 s (503 `database_unavailable` otherwise);
-/// 503 `draining` from SIGTERM on, while the process still serves, so load balancers stop
-/// routing to it before its listener closes.
+/// `transaction_read_only` of a pooled session: `on` or `off`.
+#[derive(diesel::QueryableByName)]
+struct ReadOnly {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    read_only: String,
+}
+
+/// `GET /readyz`: PostgreSQL answers a query within 2 s (503 `database_unavailable` otherwise)
+/// and accepts writes (503 `database_read_only` from a hot standby or under
+/// `default_transaction_read_only`: reads would answer, but no turn could be accepted and no
+/// run could move); 503 `draining` from SIGTERM on, while the process still serves, so load
+/// balancers stop routing to it before its listener closes.
 #[utoipa::path(get, path = "/readyz", tag = "health", operation_id = "readyz", security(()),
     responses((status = 200, description = "Ready", body = crate::views::HealthStatus)))]
 pub async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
@@ -37,9 +46,19 @@ pub async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError
     let unavailable = |why: String| ApiError::database_unavailable(&why);
     let probe = async {
         let mut conn = state.pool.get().await?;
-        diesel::sql_query("SELECT 1").execute(&mut conn).await.map_err(|e| unavailable(e.to_string()))?;
-        Ok::<_, ApiError>(())
+        diesel::sql_query("SELECT current_setting('transaction_read_only') AS read_only")
+            .get_result::<ReadOnly>(&mut conn)
+            .await
+            .map_err(|e| unavailable(e.to_string()))
     };
-    tokio::time::timeout(READY_TIMEOUT, probe).await.map_err(|_| unavailable("no answer within 2 s".into()))??;
+    let ReadOnly { read_only } =
+        tokio::time::timeout(READY_TIMEOUT, probe).await.map_err(|_| unavailable("no answer within 2 s".into()))??;
+    if read_only == "on" {
+        tracing::warn!("readiness: PostgreSQL accepts no writes (transaction_read_only = on)");
+        return Err(ApiError::Unavailable {
+            code: "database_read_only",
+            message: "the database accepts no writes right now (a standby, or read-only mode); retry later".into(),
+        });
+    }
     Ok(HttpResponse::Ok().json(json!({"status": "ready"})))
 }
