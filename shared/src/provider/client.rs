@@ -648,7 +648,8 @@ impl Assembly {
         }
         for part in delta.tool_calls.into_iter().flatten() {
             carries = true;
-            let position = call_slot(&mut self.calls, part.index, part.id.as_deref());
+            let named = part.function.as_ref().and_then(|f| f.name.as_deref()).is_some_and(|n| !n.is_empty());
+            let position = call_slot(&mut self.calls, part.index, part.id.as_deref(), named);
             let slot = &mut self.calls[position];
             if slot.id.is_none() {
                 slot.id = part.id.filter(|id| !id.is_empty());
@@ -694,15 +695,17 @@ impl Assembly {
     }
 }
 
-/// The position in `calls` of the call a tool-call delta continues: the latest with the same `index` whose id is not
-/// another one (a delta that brings a different id at a used index starts a new call); without
-/// an index, the one with the same `id`; without either, the latest call. A new call is
-/// started when none matches.
-fn call_slot(calls: &mut Vec<PartialCall>, index: Option<usize>, id: Option<&str>) -> usize {
+/// The position in `calls` of the call a tool-call delta continues: the latest with the same
+/// `index` whose id is not another one — a delta that brings a different id and a function
+/// name at a used index starts a new call (two calls at one index, probe D), while a different
+/// id without a name continues the call (servers that mint an id per delta); without an
+/// index, the one with the same `id`; without either, the latest call. A new call is started
+/// when none matches. `named`: the delta carries a non-empty `function.name`.
+fn call_slot(calls: &mut Vec<PartialCall>, index: Option<usize>, id: Option<&str>, named: bool) -> usize {
     let found = match (index, id.filter(|id| !id.is_empty())) {
-        (Some(index), Some(id)) => {
-            calls.iter().rposition(|c| c.index == Some(index) && c.id.as_deref().is_none_or(|known| known == id))
-        }
+        (Some(index), Some(id)) => calls
+            .iter()
+            .rposition(|c| c.index == Some(index) && (!named || c.id.as_deref().is_none_or(|known| known == id))),
         (Some(index), None) => calls.iter().rposition(|c| c.index == Some(index)),
         (None, Some(id)) => calls.iter().rposition(|c| c.id.as_deref() == Some(id)),
         (None, None) => calls.len().checked_sub(1),
@@ -1018,7 +1021,9 @@ mod tests {
             ]),
             sse(&[
                 r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_x","function":{"name":"fx_any","arguments":"{}"}}]}}]}"#,
-                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_y","function":{"name":"fx_ok","arguments":"{\"amount\":15}"}}]}}]}"#,
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_y","function":{"name":"fx_ok","arguments":"{\"amount\":"}}]}}]}"#,
+                // A server that mints an id for every delta: no name, so the same call.
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_z","function":{"arguments":"15}"}}]}}]}"#,
                 r#"{"choices":[{"delta":{},"finish_reason":"tool_calls"}]}"#,
                 "[DONE]",
             ]),
