@@ -475,6 +475,7 @@ pub fn turn(content: &serde_json::Value) -> agentloop_shared::commands::Turn {
         reasoning: None,
         token_estimate: (4 + agentloop_shared::tokens::estimate_text(&text)) as i32,
         stopped: false,
+        finish_reason: None,
     };
     agentloop_shared::commands::Turn { byte_size: message.byte_size(), token_estimate: message.token_estimate, content: content.clone() }
 }

@@ -462,6 +462,11 @@ pub struct MessageView {
     pub created_at: DateTime<Utc>,
     #[schema(required = false)]
     pub stopped: Option<bool>,
+    /// The provider ended this answer early: its `finish_reason` when not a finished answer or
+    /// tool calls (`length` — it reached `max_tokens` or the end of the context —,
+    /// `content_filter`, ...). Absent when the answer ended normally.
+    #[schema(required = false)]
+    pub finish_reason: Option<String>,
     #[schema(required = false)]
     pub truncated: Option<bool>,
 }

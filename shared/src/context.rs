@@ -30,6 +30,7 @@ impl From<&Message> for ContextMessage {
                 reasoning: m.reasoning.clone(),
                 token_estimate: m.token_estimate,
                 stopped: m.stopped,
+                finish_reason: m.finish_reason.clone(),
             },
         }
     }

@@ -452,6 +452,7 @@ pub fn messages(items: &[Value], param: &str, limits: &Limits) -> Result<(Vec<Im
             reasoning,
             token_estimate: 0,
             stopped,
+            finish_reason: None,
         };
         if r == role::TOOL {
             let id = match field(m, &["toolCallId", "tool_call_id"]) {

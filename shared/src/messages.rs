@@ -57,6 +57,10 @@ pub struct Message {
     /// Committed from the partial answer of a cancelled stream (SPEC §4).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub stopped: bool,
+    /// The provider's `finish_reason` when it was not a finished answer or tool calls
+    /// (`length`, `content_filter`, ...): the answer was cut. `None` = it ended normally.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finish_reason: Option<String>,
 }
 
 impl Message {
@@ -81,7 +85,8 @@ pub fn content_text(content: &serde_json::Value) -> String {
 }
 
 /// A message to append (serialised as the step functions expect:
-/// `{role, content, toolCalls?, toolCallId?, reasoning?, tokenEstimate, byteSize, stopped?}`).
+/// `{role, content, toolCalls?, toolCallId?, reasoning?, tokenEstimate, byteSize, stopped?,
+/// finishReason?}`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewMessage {
     pub role: String,
@@ -92,6 +97,8 @@ pub struct NewMessage {
     pub token_estimate: i32,
     /// The partial answer of a cancelled stream (SPEC §4).
     pub stopped: bool,
+    /// See [`Message::finish_reason`].
+    pub finish_reason: Option<String>,
 }
 
 impl NewMessage {
@@ -124,6 +131,9 @@ impl Serialize for NewMessage {
         if self.stopped {
             map.serialize_entry("stopped", &true)?;
         }
+        if let Some(reason) = &self.finish_reason {
+            map.serialize_entry("finishReason", reason)?;
+        }
         map.end()
     }
 }
@@ -141,6 +151,7 @@ impl NewMessage {
             reasoning: None,
             token_estimate,
             stopped: false,
+            finish_reason: None,
         }
     }
 }

@@ -276,3 +276,51 @@ async fn a_provider_projection_that_merges_messages_does_not_break_checkpointing
     assert_eq!(seqs(&w), [1, 2, 3, 4, 5, 6]);
     assert_eq!(w["messages"][0]["content"], "first");
 }
+
+/// An answer the provider cut (`finish_reason: length`) says so everywhere: `finishReason` on
+/// the message (window and export), the next model call reads it with a note that it was cut,
+/// and `/v1/chat/completions` answers `length` instead of `stop` (streamed and not). A normal
+/// answer carries none. Before, a cut answer looked finished to everyone.
+#[tokio::test]
+async fn an_answer_cut_by_the_provider_is_marked_cut() {
+    let stack = Stack::start("cut_answer", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let first = c.chat(&thread, &script(json!([{"text": "The list: one, two, thr", "finishReason": "length"}]))).await.unwrap();
+    c.wait_terminal(first["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    let second = c.chat(&thread, &script(json!([{"text": "all good"}]))).await.unwrap();
+    c.wait_terminal(second["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    let w = window(&stack, &thread).await;
+    let answers: Vec<_> = w["messages"].as_array().unwrap().iter().filter(|m| m["role"] == "assistant").collect();
+    assert_eq!(answers.len(), 2, "{w}");
+    assert_eq!((answers[0]["finishReason"].as_str(), answers[0]["content"].as_str()), (Some("length"), Some("The list: one, two, thr")));
+    assert!(answers[1].get("finishReason").is_none(), "a finished answer carries no reason: {}", answers[1]);
+    let sent = stack.mock.requests().await.unwrap();
+    let last = sent.last().unwrap()["messages"].as_array().unwrap();
+    let cut = last.iter().find(|m| m["role"] == "assistant").unwrap()["content"].as_str().unwrap();
+    assert!(cut.starts_with("The list: one, two, thr") && cut.contains("[cut off:") && cut.contains("length"), "{cut}");
+    let export = c.get(&format!("/api/threads/{thread}/export?format=json")).await.unwrap();
+    assert_eq!(export.status, 200, "{export:?}");
+    let exported = export.body["messages"].as_array().unwrap();
+    assert_eq!(exported.iter().filter(|m| m["finishReason"] == "length").count(), 1, "{}", export.body);
+
+    let http = reqwest::Client::new();
+    for stream in [false, true] {
+        let body = json!({"model": "mock", "stream": stream,
+                          "messages": [{"role": "user", "content": script(json!([{"text": "cut short", "finishReason": "length"}]))}]});
+        let resp = http.post(format!("{}/v1/chat/completions", stack.api_url)).bearer_auth(&stack.key).json(&body).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let text = resp.text().await.unwrap();
+        let reasons: Vec<String> = if stream {
+            text.lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+                .filter_map(|v| v["choices"][0]["finish_reason"].as_str().map(str::to_owned))
+                .collect()
+        } else {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            vec![v["choices"][0]["finish_reason"].as_str().unwrap_or_default().to_owned()]
+        };
+        assert_eq!(reasons, ["length"], "stream {stream}: {text}");
+    }
+}

@@ -595,6 +595,10 @@ function renderMessage(V, m) {
     }
     if (m.truncated) node.append(h('div', {class: 'note', text: '(long message: shortened here)'}));
     if (m.stopped) node.append(h('div', {class: 'stopped-tag', 'data-testid': 'stopped', text: 'Stopped — you interrupted this answer'}));
+    // The provider ended the answer early (finish_reason `length`, `content_filter`, ...).
+    if (m.finishReason) node.append(h('div', {class: 'stopped-tag', 'data-testid': 'cut', text: m.finishReason === 'length'
+      ? 'Cut off — the answer reached the length limit (max tokens or the end of the context)'
+      : 'Cut off — the model ended this answer early (' + m.finishReason + ')'}));
     for (const c of m.toolCalls || []) node.append(toolCard(V, c));
     if (!txt && !(m.toolCalls || []).length && !m.reasoning) node.append(h('div', {class: 'note', text: '(empty message)'}));
   }

@@ -442,6 +442,7 @@ async fn body(slice: &mut Slice, run: &Run, claim_start: Option<serde_json::Valu
 
         let mut assistant = NewMessage::text(role::ASSISTANT, turn.content.clone());
         assistant.reasoning = turn.reasoning.clone().filter(|r| !r.is_empty());
+        assistant.finish_reason = turn.cut_reason().map(str::to_owned);
         if turn.tool_calls.is_empty() {
             // Final answer: the message and the run's completion in one transaction.
             slice.commit(Commit { messages: vec![assistant], end: Some(SliceEnd::Completed), ..Commit::default() }).await?;

@@ -58,6 +58,7 @@ diesel::table! {
         active -> Bool,
         created_at -> Timestamptz,
         stopped -> Bool,
+        finish_reason -> Nullable<Text>,
     }
 }
 

@@ -88,6 +88,18 @@ pub struct AssistantTurn {
     pub malformed_chunks: u32,
 }
 
+impl AssistantTurn {
+    /// The `finish_reason` when the provider ended the answer early: anything but a finished
+    /// answer (`stop`, `eos`, none) or a request for tools (`tool_calls`, `function_call`) —
+    /// `length` (it reached `max_tokens` or the context's end), `content_filter`, ...
+    pub fn cut_reason(&self) -> Option<&str> {
+        self.finish_reason
+            .as_deref()
+            .map(str::trim)
+            .filter(|r| !r.is_empty() && !matches!(*r, "stop" | "eos" | "end_turn" | "stop_sequence" | "tool_calls" | "function_call"))
+    }
+}
+
 /// Provider call failures; [`ProviderError::code`] gives the stable code stored on runs/steps.
 /// Messages carry the provider's own error text (at most 500 characters), never the API key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -45,6 +45,11 @@ pub const CONTINUE_TEXT: &str = "Continue.";
 pub const NO_RESULT_TEXT: &str = "[no result recorded]";
 /// Appended to the text of an assistant answer the user stopped mid-stream.
 pub const STOPPED_NOTE: &str = "\n\n[interrupted: the user stopped this answer before it was finished]";
+/// Appended to the text of an assistant answer the provider ended early with `reason` (its
+/// `finish_reason`: `length` when it reached `max_tokens` or the end of the context).
+pub fn cut_note(reason: &str) -> String {
+    format!("\n\n[cut off: this answer ended before it was finished (finish_reason: {reason})]")
+}
 /// Mistral bridge: assistant turn inserted between a tool result and a following user turn.
 pub const TOOL_RESULTS_RECEIVED_TEXT: &str = "Tool results received.";
 
@@ -384,8 +389,12 @@ fn strip(context: &ContextMessage, modalities: Modalities) -> Msg {
     };
     // A stopped answer (the user cancelled it mid-stream) reads as interrupted, so the model
     // does not take it for a finished one (SPEC §4, issue 11).
+    // An answer the provider cut (`length`, `content_filter`, ...) says so too, with the reason.
     let content = match content {
         Value::String(s) if m.stopped && role == ASSISTANT => Value::String(format!("{s}{STOPPED_NOTE}")),
+        Value::String(s) if role == ASSISTANT && m.finish_reason.is_some() => {
+            Value::String(format!("{s}{}", cut_note(m.finish_reason.as_deref().unwrap_or_default())))
+        }
         other => other,
     };
     let (calls, had_calls) = match (role, &m.tool_calls) {
@@ -819,6 +828,7 @@ mod tests {
                 reasoning: None,
                 token_estimate: 3,
                 stopped: false,
+                finish_reason: None,
             },
         }
     }
@@ -854,6 +864,7 @@ mod tests {
                     reasoning: v["reasoning_content"].as_str().map(Into::into),
                     token_estimate: 0,
                     stopped: false,
+                    finish_reason: None,
                 },
             })
             .collect()
@@ -1202,6 +1213,7 @@ mod tests {
                         reasoning,
                         token_estimate: 7,
                         stopped: false,
+                        finish_reason: None,
                     },
                 }
             })

@@ -78,6 +78,8 @@ pub struct Answer {
     pub content: String,
     /// Client-side calls (`{id, type, function: {name, arguments}}`).
     pub tool_calls: Vec<Value>,
+    /// The provider's `finish_reason` when it cut the last answer (`length`, ...).
+    pub cut: Option<String>,
 }
 
 /// Runs the conversation in `messages` to its final answer (or its client-side tool calls).
@@ -294,7 +296,8 @@ pub async fn answer(state: &web::Data<AppState>, thread_id: Uuid, run_id: Uuid) 
     let mine: Vec<_> = rows.iter().filter(|m| m.run_id == Some(run_id) && m.role == role::ASSISTANT).collect();
     let content = mine.iter().map(|m| m.text()).filter(|t| !t.is_empty()).collect::<Vec<_>>().join("\n\n");
     let tool_calls = mine.last().map(|m| client_calls(m.tool_calls.as_ref())).unwrap_or_default();
-    Ok(Answer { content, tool_calls })
+    let cut = mine.last().and_then(|m| m.finish_reason.clone());
+    Ok(Answer { content, tool_calls, cut })
 }
 
 /// The client-side calls of a `tool_calls` value, in OpenAI's shape.
@@ -329,7 +332,7 @@ fn completion(chunker: &super::stream::Chunker, answer: &Answer, run: &Run) -> V
         "created": chunker.created,
         "model": chunker.model,
         "system_fingerprint": null,
-        "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": if calls { "tool_calls" } else { "stop" }}],
+        "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": if calls { "tool_calls" } else { answer.cut.as_deref().unwrap_or("stop") }}],
         "usage": usage(run.prompt_tokens, run.completion_tokens),
     })
 }

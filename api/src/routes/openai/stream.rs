@@ -8,7 +8,8 @@
 //! streamed yet is sent then; the text of successive model calls (before and after a server-side
 //! tool call) is separated by a blank line, exactly as the non-streaming `content`. Server-side
 //! tool calls are never sent. At the run's end: client-side calls as one `delta.tool_calls`
-//! chunk, the final chunk with `finish_reason` (`stop` | `tool_calls`), the `usage` chunk when
+//! chunk, the final chunk with `finish_reason` (`stop` | `tool_calls`, or the provider's own
+//! when it cut the last answer: `length`, `content_filter`), the `usage` chunk when
 //! `stream_options.include_usage` (`choices: []`), then `data: [DONE]`. A run that fails sends
 //! one `data: {"error": {...}}` event (the SDKs raise it) and the stream ends.
 //!
@@ -135,6 +136,8 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
     let mut cursor = 0i64;
     let mut text = Text::default();
     let mut client_calls: Vec<Value> = Vec::new();
+    // The provider's `finish_reason` when it cut the last answer (`length`, ...).
+    let mut cut: Option<String> = None;
     let mut end: Option<End> = None;
     'outer: loop {
         wake.borrow_and_update();
@@ -168,6 +171,7 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
                 kind::MESSAGE if mine && p.get("role").and_then(Value::as_str) == Some(role::ASSISTANT) => {
                     let progress = text.advance(&content_text(&p["content"]));
                     text.end_call();
+                    cut = p.get("finishReason").and_then(Value::as_str).map(str::to_owned);
                     let calls = super::chat_completions::client_calls(p.get("toolCalls"));
                     if !calls.is_empty() {
                         client_calls = calls;
@@ -260,7 +264,8 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
                     .collect();
                 events.push(chunker.chunk(json!({"tool_calls": calls}), None));
             }
-            events.push(chunker.chunk(json!({}), Some(if client_calls.is_empty() { "stop" } else { "tool_calls" })));
+            let finish = if client_calls.is_empty() { cut.as_deref().unwrap_or("stop") } else { "tool_calls" };
+            events.push(chunker.chunk(json!({}), Some(finish)));
             if chunker.include_usage {
                 events.push(chunker.usage(prompt, completion));
             }

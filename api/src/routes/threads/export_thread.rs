@@ -43,6 +43,9 @@ pub struct ExportedMessage {
     /// The answer was stopped by the user mid-stream (present only when true).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub stopped: bool,
+    /// The provider ended the answer early (`length`, `content_filter`, ...; present only then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finish_reason: Option<String>,
     #[schema(value_type = String, format = DateTime)]
     pub created_at: chrono::DateTime<chrono::Utc>,
 }
@@ -249,6 +252,9 @@ pub fn exported(row: &Message) -> Value {
     if row.stopped {
         out.insert("stopped".into(), json!(true));
     }
+    if let Some(reason) = &row.finish_reason {
+        out.insert("finishReason".into(), json!(reason));
+    }
     out.insert("createdAt".into(), json!(millis(row.created_at)));
     Value::Object(out)
 }
@@ -301,6 +307,9 @@ fn markdown_message(row: &Message) -> String {
             }
             if row.stopped {
                 out.push_str("_(stopped by the user)_\n\n");
+            }
+            if let Some(reason) = &row.finish_reason {
+                out.push_str(&format!("_(cut off: finish_reason {reason})_\n\n"));
             }
             if let Some(Value::Array(calls)) = &row.tool_calls {
                 for c in calls {

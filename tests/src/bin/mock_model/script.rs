@@ -49,6 +49,8 @@ pub struct Reply {
     pub malformed: Option<Malformed>,
     /// Token counts overriding the computed ones.
     pub usage: UsageOverride,
+    /// `finish_reason` of the last chunk instead of `stop` / `tool_calls` (e.g. `length`).
+    pub finish_reason: Option<String>,
 }
 
 /// An HTTP error answer: `status` with an OpenAI-style error body.
@@ -146,6 +148,8 @@ struct Step {
     malformed: Option<Malformed>,
     /// Token counts overriding the computed usage.
     usage: Option<UsageOverride>,
+    /// `finish_reason` to end with instead of `stop` / `tool_calls` (e.g. `length`).
+    finish_reason: Option<String>,
     /// When a result of this step's tool calls contains this text, the next request plays this
     /// step again (its calls get fresh ids unless `id` is given), like a model retrying a failed
     /// call; at most [`MAX_STEP_RETRIES`] times in a row.
@@ -420,6 +424,7 @@ fn scripted_reply(
         tool_calls,
         malformed: step.malformed,
         usage: step.usage.unwrap_or_default(),
+        finish_reason: step.finish_reason,
     }
 }
 

@@ -106,9 +106,12 @@ impl Usage {
     }
 }
 
-/// `"tool_calls"` when the reply calls tools, else `"stop"`.
-fn finish_reason(reply: &Reply) -> &'static str {
-    if reply.tool_calls.is_empty() {
+/// The reply's scripted `finish_reason`, else `"tool_calls"` when it calls tools, else
+/// `"stop"`.
+fn finish_reason(reply: &Reply) -> &str {
+    if let Some(reason) = &reply.finish_reason {
+        reason
+    } else if reply.tool_calls.is_empty() {
         "stop"
     } else {
         "tool_calls"
