@@ -324,3 +324,36 @@ async fn an_answer_cut_by_the_provider_is_marked_cut() {
         assert_eq!(reasons, ["length"], "stream {stream}: {text}");
     }
 }
+
+/// A model's own tool call larger than a turn of the model (a 200 KB file write on a model of
+/// 8,000 tokens) is cut in the context it reads next, so the run goes on and later turns of the
+/// thread work; the stored call keeps every byte. Before, the run and every later turn of the
+/// thread failed `compaction_nothing_to_compact` before calling the model.
+#[tokio::test]
+async fn a_tool_call_larger_than_a_turn_does_not_break_the_thread() {
+    let env = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>();
+    let limit = env(&[("MODEL_CONTEXT_TOKENS", "8000")]);
+    let options = StackOptions { worker_env: limit.clone(), api_env: limit, ..Default::default() };
+    let stack = Stack::start("huge_tool_call", options).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "calculator", "arguments": {"expression": "1+1"}, "padBytes": 200000}]}, {"text": "after the big call"}]);
+    let first = c.chat(&thread, &script(steps)).await.unwrap();
+    let end = c.wait_terminal(first["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(end["status"], "completed", "{end}");
+    let second = c.chat(&thread, &script(json!([{"text": "second answer"}]))).await.unwrap();
+    let end = c.wait_terminal(second["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    assert_eq!(end["status"], "completed", "{end}");
+    let sent = stack.mock.requests().await.unwrap();
+    let last = sent.last().unwrap();
+    assert!(last.to_string().len() < 60_000, "the model read the call cut: {} bytes", last.to_string().len());
+    let call = last["messages"].as_array().unwrap().iter().find(|m| m["tool_calls"].is_array()).expect("the call is in the context");
+    assert!(call["tool_calls"][0]["function"]["arguments"].as_str().unwrap().contains("omitted_from_context"), "{call}");
+    let db = stack.db.client().await.unwrap();
+    let stored: i64 = db
+        .query_one("SELECT max(octet_length(tool_calls::text))::int8 FROM messages WHERE tool_calls IS NOT NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(stored > 200_000, "the history keeps the call whole: {stored} bytes");
+}

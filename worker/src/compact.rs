@@ -138,7 +138,8 @@ pub async fn automatic(
 pub async fn manual(slice: &mut Slice, run: &Run, model: &ModelConfig) -> Result<SliceEnd, SliceError> {
     let source = run.source_thread_id.ok_or_else(|| failed("compaction_failed", "the compaction run has no source thread"))?;
     let (loaded, metadata) = context::read(&slice.env.store, source).await?;
-    let (context, _) = context::from_loaded(&loaded);
+    let (mut context, _) = context::from_loaded(&loaded);
+    context::bound_messages(&mut context, agentloop_shared::generation::max_input_tokens(model, &metadata));
     let settings = Settings::from_metadata(&metadata, model.context_tokens);
     let (instructions, summary, tail) = match run_compaction(slice, model, &context, &settings).await {
         Ok(c) => (c.instructions, Some(c.summary), c.tail),

@@ -382,6 +382,10 @@ async fn body(slice: &mut Slice, run: &Run, claim_start: Option<serde_json::Valu
     }
     let settings = compaction::Settings::from_metadata(&start.metadata, model.context_tokens);
     let (mut context, mut snapshot) = context::from_loaded(&start.context);
+    // No message enters the model's context larger than a turn it takes (a model's own huge
+    // tool call left every later turn failing): the copy is cut, the history is not.
+    let turn_limit = agentloop_shared::generation::max_input_tokens(model, &start.metadata);
+    context::bound_messages(&mut context, turn_limit);
     let mut slice_tool_calls: u32 = 0;
 
     // SPEC §6-§7: the unanswered calls of the run's last tool-call message (approved, declined,
@@ -404,6 +408,10 @@ async fn body(slice: &mut Slice, run: &Run, claim_start: Option<serde_json::Valu
     let mut compaction_failed = false;
     loop {
         slice.check_abort()?;
+        let cut = context::bound_messages(&mut context, turn_limit);
+        if cut > 0 {
+            tracing::info!(messages = cut, max_tokens = turn_limit, "messages larger than a turn cut in the model's context");
+        }
         let tokens = context::messages_tokens(&context) + tool_tokens;
         if tokens > settings.threshold && !compaction_failed {
             tracing::info!(tokens, threshold = settings.threshold, "context over the compaction threshold");

@@ -168,6 +168,9 @@ struct ToolCallSpec {
     arguments: Option<Value>,
     arguments_raw: Option<String>,
     id: Option<String>,
+    /// Adds `"pad": "xxx…"` of this many bytes to the `arguments` object (a model that writes a
+    /// huge call, without a huge script in the user's message).
+    pad_bytes: Option<usize>,
 }
 
 /// How many requests already failed per (user text, step index), keyed by a hash of the pair.
@@ -407,10 +410,15 @@ fn scripted_reply(
         .map(|(i, spec)| ToolCall {
             id: spec.id.unwrap_or_else(|| default_call_id(index, i)),
             name: spec.name,
-            arguments: match (spec.arguments_raw, spec.arguments) {
-                (Some(raw), _) => raw,
-                (None, Some(value)) => value.to_string(),
-                (None, None) => "{}".to_owned(),
+            arguments: match (spec.arguments_raw, spec.arguments, spec.pad_bytes) {
+                (Some(raw), _, _) => raw,
+                (None, value, Some(pad)) => {
+                    let mut value = value.unwrap_or_else(|| serde_json::json!({}));
+                    value["pad"] = Value::String("x".repeat(pad));
+                    value.to_string()
+                }
+                (None, Some(value), None) => value.to_string(),
+                (None, None, None) => "{}".to_owned(),
             },
         })
         .collect();
