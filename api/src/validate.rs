@@ -109,18 +109,31 @@ pub async fn turn_fits(
         None => state.catalog.default_model(),
     };
     let Some(model) = model else { return Ok(()) };
-    let limit = agentloop_shared::generation::max_input_tokens(model, &thread.metadata);
-    if turn.token_estimate.max(0) as u32 > limit {
-        return Err(ApiError::Refused {
-            status: actix_web::http::StatusCode::PAYLOAD_TOO_LARGE,
-            code: "turn_too_large".into(),
-            message: format!(
-                "this message is about {} tokens; model {} accepts at most {} tokens in one turn (its context must also hold the answer and the conversation). Shorten it or split it into several messages.",
-                turn.token_estimate, model.id, limit
-            ),
-        });
+    message_fits(model, &thread.metadata, turn.token_estimate, "this message", "Shorten it or split it into several messages.")
+}
+
+/// One message of `tokens` fits a turn of `model` under a thread's `metadata`
+/// (`agentloop_shared::generation::max_input_tokens`), the limit for user turns and imported
+/// messages alike. Error: 413 `turn_too_large`, naming `what` and both sizes, then `hint`.
+pub fn message_fits(
+    model: &agentloop_shared::provider::catalog::ModelConfig,
+    metadata: &serde_json::Value,
+    tokens: i32,
+    what: &str,
+    hint: &str,
+) -> Result<(), ApiError> {
+    let limit = agentloop_shared::generation::max_input_tokens(model, metadata);
+    if tokens.max(0) as u32 <= limit {
+        return Ok(());
     }
-    Ok(())
+    Err(ApiError::Refused {
+        status: actix_web::http::StatusCode::PAYLOAD_TOO_LARGE,
+        code: "turn_too_large".into(),
+        message: format!(
+            "{what} is about {tokens} tokens; model {} accepts at most {limit} tokens in one turn (its context must also hold the answer and the conversation). {hint}",
+            model.id
+        ),
+    })
 }
 
 /// Longest thread title, in characters.

@@ -603,13 +603,21 @@ async fn pgbench_init(pgbench: &Path, url: &str, scale: u32) -> Result<()> {
     Ok(())
 }
 
-/// `pgbench -N` on `db` for `seconds`: (TPS, PostgreSQL CPU ms per transaction, measured on
-/// its backends from 0.5 s after the start to 1 s before the end).
+/// `pgbench -N` on `db` for `seconds`: (TPS, PostgreSQL CPU ms per transaction).
 async fn pgbench_tps(pgbench: &Path, db: &Database, clients: u32, seconds: u32) -> Result<(f64, f64)> {
+    let (tps, cpu) = run_pgbench(pgbench, db, &["-N".into()], clients, seconds).await?;
+    Ok((tps, cpu.server_ms_per(tps)))
+}
+
+/// Runs pgbench with `args` (workload options) on `db` at `clients` clients for `seconds`:
+/// its TPS and the CPU split (pgbench and the database's backends) over the middle of the run,
+/// from 0.5 s after the start to 1.5 s before the end, while pgbench and its backends are alive.
+async fn run_pgbench(pgbench: &Path, db: &Database, args: &[std::ffi::OsString], clients: u32, seconds: u32) -> Result<(f64, CpuUse)> {
     let threads = (cpus() as u32).clamp(1, clients.max(1));
     let admin = connect(&admin_url()).await?;
     let child = tokio::process::Command::new(pgbench)
-        .args(["-N", "-c", &clients.to_string(), "-j", &threads.to_string(), "-T", &seconds.to_string(), &db.url])
+        .args(args)
+        .args(["-c", &clients.to_string(), "-j", &threads.to_string(), "-T", &seconds.to_string(), &db.url])
         .kill_on_drop(true)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -618,17 +626,17 @@ async fn pgbench_tps(pgbench: &Path, db: &Database, clients: u32, seconds: u32) 
     let window = Duration::from_secs(u64::from(seconds)).saturating_sub(Duration::from_millis(1500)).max(Duration::from_millis(500));
     tokio::time::sleep(Duration::from_millis(500)).await;
     let backends = backend_pids(&admin, &db.name).await?;
-    let cpu = CpuWindow::begin(&[], &backends);
+    let cpu = CpuWindow::begin(&[("pgbench", child.id().map_or(0, |p| p as i32))], &backends);
     tokio::time::sleep(window).await;
     let cpu = cpu.end_use(&backends);
     let out = child.wait_with_output().await?;
     let text = String::from_utf8_lossy(&out.stdout);
-    ensure!(out.status.success(), "pgbench failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+    ensure!(out.status.success(), "pgbench {args:?} failed: {text}{}", String::from_utf8_lossy(&out.stderr));
     let tps: f64 = text
         .lines()
         .find_map(|l| l.strip_prefix("tps = ").and_then(|r| r.split_whitespace().next()).and_then(|v| v.parse().ok()))
         .ok_or_else(|| anyhow!("no `tps = ` line in pgbench output: {text}"))?;
-    Ok((tps, cpu.server_ms_per(tps)))
+    Ok((tps, cpu))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1004,31 +1012,7 @@ async fn floor_phase(env: &Env, pgbench: &Path, clients: u32, seconds: u32, expe
     connect(&db.url).await?.batch_execute("VACUUM ANALYZE").await?;
     let script = log_dir()?.join("step-protocol.pgbench");
     std::fs::write(&script, STEP_PROTOCOL_SCRIPT)?;
-    let admin = connect(&admin_url()).await?;
-    let threads = (cpus() as u32).clamp(1, clients.max(1));
-    let child = tokio::process::Command::new(pgbench)
-        .args(["-n", "-f"])
-        .arg(&script)
-        .args(["-c", &clients.to_string(), "-j", &threads.to_string(), "-T", &seconds.to_string(), &db.url])
-        .kill_on_drop(true)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("running {}", pgbench.display()))?;
-    // The CPU split over the middle of the run, while pgbench and its backends are alive.
-    let window = Duration::from_secs(u64::from(seconds)).saturating_sub(Duration::from_secs(1)).max(Duration::from_millis(500));
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let backends = backend_pids(&admin, &db.name).await?;
-    let cpu = CpuWindow::begin(&[("pgbench", child.id().map_or(0, |p| p as i32))], &backends);
-    tokio::time::sleep(window).await;
-    let cpu = cpu.end_use(&backends);
-    let out = child.wait_with_output().await?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    ensure!(out.status.success(), "pgbench -f step-protocol failed: {text}{}", String::from_utf8_lossy(&out.stderr));
-    let rps: f64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("tps = ").and_then(|r| r.split_whitespace().next()).and_then(|v| v.parse().ok()))
-        .ok_or_else(|| anyhow!("no `tps = ` line in pgbench output: {text}"))?;
+    let (rps, cpu) = run_pgbench(pgbench, &db, &["-n".into(), "-f".into(), script.into_os_string()], clients, seconds).await?;
     // Every script run must have completed a run with its answer: the figure counts real runs.
     let c = connect(&db.url).await?;
     let row = c

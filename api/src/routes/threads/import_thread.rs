@@ -113,16 +113,9 @@ pub async fn import_thread(
     // imported message, refused as a chat turn, made the thread unusable).
     let model = imported.model.as_deref().and_then(|m| state.catalog.get(m)).or_else(|| state.catalog.default_model());
     if let Some(model) = model {
-        let limit = agentloop_shared::generation::max_input_tokens(model, &imported.metadata);
-        if let Some((index, m)) = imported.messages.iter().enumerate().find(|(_, m)| m.message.token_estimate.max(0) as u32 > limit) {
-            return Err(ApiError::Refused {
-                status: actix_web::http::StatusCode::PAYLOAD_TOO_LARGE,
-                code: "turn_too_large".into(),
-                message: format!(
-                    "messages[{index}] is about {} tokens; model {} accepts at most {} tokens in one turn, so the thread could not be continued",
-                    m.message.token_estimate, model.id, limit
-                ),
-            });
+        for (index, m) in imported.messages.iter().enumerate() {
+            let what = format!("messages[{index}]");
+            crate::validate::message_fits(model, &imported.metadata, m.message.token_estimate, &what, "The thread could not be continued with it.")?;
         }
     }
     let now_ms = chrono::Utc::now().timestamp_millis();
