@@ -851,6 +851,31 @@ mod tests {
         (model(&base_url), seen)
     }
 
+    /// A server that writes each `(pause, bytes)` piece after its pause, on every connection,
+    /// then keeps the connection open for 30 s (a stream that stalls).
+    async fn serve_paced(pieces: Vec<(Duration, String)>) -> ModelConfig {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base_url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let pieces = Arc::new(pieces);
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut socket, _)) = listener.accept().await else { return };
+                let pieces = pieces.clone();
+                tokio::spawn(async move {
+                    read_request(&mut socket).await;
+                    for (pause, bytes) in pieces.iter() {
+                        tokio::time::sleep(*pause).await;
+                        if socket.write_all(bytes.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                });
+            }
+        });
+        model(&base_url)
+    }
+
     async fn chat(
         client: &ProviderClient,
         model: &ModelConfig,
@@ -1064,22 +1089,10 @@ mod tests {
     /// held its slot forever; an answer of 40 MB was assembled in memory.
     #[tokio::test]
     async fn a_silent_stream_is_stalled_and_a_huge_answer_is_cut() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut socket, _)) = listener.accept().await else { return };
-                tokio::spawn(async move {
-                    read_request(&mut socket).await;
-                    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n";
-                    let chunk = r#"data: {"choices":[{"delta":{"content":"0123456789"}}]}"#;
-                    let _ = socket.write_all(format!("{head}{chunk}\n\n").as_bytes()).await;
-                    // Then silence, with the connection open.
-                    tokio::time::sleep(Duration::from_secs(30)).await;
-                });
-            }
-        });
-        let model = model(&format!("http://{addr}/v1"));
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n";
+        let chunk = r#"data: {"choices":[{"delta":{"content":"0123456789"}}]}"#;
+        // Then silence, with the connection open.
+        let model = serve_paced(vec![(Duration::ZERO, format!("{head}{chunk}\n\n"))]).await;
         let client = ProviderClient::with_limits(Duration::from_millis(300), DEFAULT_MAX_ANSWER_BYTES).with_max_retries(0);
         let started = std::time::Instant::now();
         let (result, deltas) = chat(&client, &model, &ChatRequest::default()).await;
@@ -1107,23 +1120,13 @@ mod tests {
     /// part of the answer.
     #[tokio::test]
     async fn keep_alives_alone_do_not_keep_a_stream_going() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            let Ok((mut socket, _)) = listener.accept().await else { return };
-            read_request(&mut socket).await;
-            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n";
-            let _ = socket.write_all(head.as_bytes()).await;
-            let _ = socket.write_all(b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n").await;
-            for i in 0..100 {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                let beat: &[u8] = if i % 2 == 0 { b": keep-alive\n\n" } else { b"data: {\"choices\":[{\"delta\":{}}]}\n\n" };
-                if socket.write_all(beat).await.is_err() {
-                    return;
-                }
-            }
-        });
-        let model = model(&format!("http://{addr}/v1"));
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n";
+        let mut pieces = vec![(Duration::ZERO, format!("{head}data: {{\"choices\":[{{\"delta\":{{\"content\":\"hi\"}}}}]}}\n\n"))];
+        for i in 0..100 {
+            let beat = if i % 2 == 0 { ": keep-alive\n\n" } else { "data: {\"choices\":[{\"delta\":{}}]}\n\n" };
+            pieces.push((Duration::from_millis(100), beat.to_owned()));
+        }
+        let model = serve_paced(pieces).await;
         let client = ProviderClient::with_limits(Duration::from_millis(700), DEFAULT_MAX_ANSWER_BYTES).with_max_retries(0);
         let started = std::time::Instant::now();
         let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
