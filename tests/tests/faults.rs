@@ -281,6 +281,39 @@ async fn after_a_database_outage_no_worker_takes_the_runs_another_still_holds() 
     survive_an_outage("db_outage_two_workers", 2).await;
 }
 
+/// Workers with 3 s leases renewed every second, reaching PostgreSQL through the test proxy
+/// when `through_proxy`: a fault of a few seconds outlasts a lease.
+fn short_leases(through_proxy: bool) -> StackOptions {
+    StackOptions {
+        workers_through_proxy: through_proxy,
+        worker_env: vec![("WORKER_LEASE_MS".into(), "3000".into()), ("WORKER_RENEW_MS".into(), "1000".into())],
+        ..Default::default()
+    }
+}
+
+/// Waits (15 s at most) until the mock model has received a request that `wanted` accepts.
+async fn wait_model_request(stack: &Stack, wanted: impl Fn(&serde_json::Value) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !stack.mock.requests().await.unwrap().iter().any(&wanted) {
+        assert!(Instant::now() < deadline, "the model call did not start");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The run completes on its first attempt without a recovery (`done` is its end) and its
+/// answer, which contains `text`, is stored once.
+async fn assert_answered_once(stack: &Stack, done: &serde_json::Value, text: &str) {
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!((done["attempts"].as_i64(), done["recoveries"].as_i64()), (Some(1), Some(0)), "{done}");
+    let db = stack.db.client().await.unwrap();
+    let answers: i64 = db
+        .query_one("SELECT count(*) FROM messages WHERE role = 'assistant' AND content::text LIKE '%' || $1 || '%'", &[&text])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(answers, 1, "{text}");
+}
+
 /// Another session holds the thread's row (`SELECT ... FOR UPDATE`: an operator's transaction, a
 /// long maintenance statement) for more than two leases while the run's answer arrives. The
 /// database answers everything else — the lease renewals go on — so the checkpoint waits and is
@@ -289,21 +322,13 @@ async fn after_a_database_outage_no_worker_takes_the_runs_another_still_holds() 
 /// probe: a 20 s lock with the default 15 s lease).
 #[tokio::test]
 async fn a_thread_row_locked_past_the_lease_keeps_the_paid_answer() {
-    let options = StackOptions {
-        worker_env: vec![("WORKER_LEASE_MS".into(), "3000".into()), ("WORKER_RENEW_MS".into(), "1000".into())],
-        ..Default::default()
-    };
-    let stack = Stack::start("thread_row_locked", options).await.unwrap();
+    let stack = Stack::start("thread_row_locked", short_leases(false)).await.unwrap();
     let c = stack.client();
     let thread = c.create_thread().await.unwrap();
     let text = "the answer that waited for a lock one two three four";
     let turn = script(json!([{"text": text, "chunkDelayMs": 200}]));
     let run = c.chat(&thread, &turn).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while stack.mock.requests().await.unwrap().is_empty() {
-        assert!(Instant::now() < deadline, "the model call did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_model_request(&stack, |_| true).await;
     // The answer streams for ~2 s; the row stays locked for 9 s (three leases).
     let mut locker = stack.db.client().await.unwrap();
     let tx = locker.transaction().await.unwrap();
@@ -315,15 +340,9 @@ async fn a_thread_row_locked_past_the_lease_keeps_the_paid_answer() {
     tx.commit().await.unwrap();
 
     let done = c.wait_terminal(&run, Duration::from_secs(30)).await.unwrap();
-    assert_eq!(done["status"], "completed", "{done}");
-    assert_eq!((done["recoveries"].as_i64(), done["faults"].as_i64(), done["attempts"].as_i64()), (Some(0), Some(0), Some(1)), "{done}");
+    assert_answered_once(&stack, &done, text).await;
+    assert_eq!(done["faults"].as_i64(), Some(0), "{done}");
     assert_eq!(stack.mock.requests().await.unwrap().len(), 1, "the answer was paid once");
-    let answers: i64 = db
-        .query_one("SELECT count(*) FROM messages WHERE role = 'assistant' AND content::text LIKE '%' || $1 || '%'", &[&text])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(answers, 1);
 }
 
 /// Every connection between the worker and PostgreSQL freezes (a half-open network path, a
@@ -336,38 +355,21 @@ async fn a_thread_row_locked_past_the_lease_keeps_the_paid_answer() {
 /// a 2 s freeze of one worker).
 #[tokio::test]
 async fn a_frozen_network_path_past_the_lease_keeps_the_paid_answer() {
-    let options = StackOptions {
-        workers_through_proxy: true,
-        worker_env: vec![("WORKER_LEASE_MS".into(), "3000".into()), ("WORKER_RENEW_MS".into(), "1000".into())],
-        ..Default::default()
-    };
-    let stack = Stack::start("frozen_path_hold", options).await.unwrap();
+    let stack = Stack::start("frozen_path_hold", short_leases(true)).await.unwrap();
     let proxy = stack.proxy.as_ref().unwrap();
     let c = stack.client();
     let thread = c.create_thread().await.unwrap();
     let text = "the answer that arrived while the network path was frozen";
     let run = c.chat(&thread, &script(json!([{"text": text, "delayMs": 1200}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while stack.mock.requests().await.unwrap().is_empty() {
-        assert!(Instant::now() < deadline, "the model call did not start");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_model_request(&stack, |_| true).await;
     proxy.freeze_all();
     proxy.freeze_new(agentloop_tests::proxy::FreezeAt::Start);
     tokio::time::sleep(Duration::from_secs(6)).await;
     proxy.pass();
 
     let done = c.wait_terminal(&run, Duration::from_secs(30)).await.unwrap();
-    assert_eq!(done["status"], "completed", "{done}");
+    assert_answered_once(&stack, &done, text).await;
     assert_eq!(stack.mock.requests().await.unwrap().len(), 1, "the answer was paid once: {done}");
-    assert_eq!((done["attempts"].as_i64(), done["recoveries"].as_i64()), (Some(1), Some(0)), "{done}");
-    let db = stack.db.client().await.unwrap();
-    let answers: i64 = db
-        .query_one("SELECT count(*) FROM messages WHERE role = 'assistant' AND content::text LIKE '%' || $1 || '%'", &[&text])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(answers, 1);
 }
 
 /// A compaction summary is paid work too (one or more model calls): its checkpoint, which
@@ -379,12 +381,7 @@ async fn a_frozen_network_path_past_the_lease_keeps_the_paid_answer() {
 #[tokio::test]
 async fn a_compaction_summary_whose_checkpoint_freezes_past_the_lease_is_kept() {
     use agentloop_tests::proxy::FreezeAt;
-    let options = StackOptions {
-        workers_through_proxy: true,
-        worker_env: vec![("WORKER_LEASE_MS".into(), "3000".into()), ("WORKER_RENEW_MS".into(), "1000".into())],
-        ..Default::default()
-    };
-    let stack = Stack::start("frozen_summary_hold", options).await.unwrap();
+    let stack = Stack::start("frozen_summary_hold", short_leases(true)).await.unwrap();
     let proxy = stack.proxy.as_ref().unwrap();
     let c = stack.client();
     let thread = c.create_thread().await.unwrap();
@@ -397,25 +394,19 @@ async fn a_compaction_summary_whose_checkpoint_freezes_past_the_lease_is_kept() 
         .await
         .unwrap();
     assert_eq!(r.status, 200, "{r:?}");
-    let summaries = |requests: Vec<serde_json::Value>| {
-        requests.iter().filter(|r| r["messages"][0]["content"].as_str().is_some_and(|t| t.starts_with("You compress the earlier part"))).count()
-    };
+    let is_summary = |r: &serde_json::Value| r["messages"][0]["content"].as_str().is_some_and(|t| t.starts_with("You compress the earlier part"));
+    let summaries = |requests: Vec<serde_json::Value>| requests.iter().filter(|r| is_summary(r)).count();
     // Pooled connections are replaced; every new one freezes when it sends a summary checkpoint.
     proxy.cut_all();
     proxy.freeze_new(FreezeAt::ClientSends(b"\"snapshot\":{".to_vec()));
     let run = c.chat(&thread, &script(json!([{"text": "the turn after the summary"}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while summaries(stack.mock.requests().await.unwrap()) == 0 {
-        assert!(Instant::now() < deadline, "no summary was requested");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_model_request(&stack, is_summary).await;
     tokio::time::sleep(Duration::from_secs(6)).await;
     proxy.pass();
 
     let done = c.wait_terminal(&run, Duration::from_secs(30)).await.unwrap();
-    assert_eq!(done["status"], "completed", "{done}");
+    assert_answered_once(&stack, &done, "the turn after the summary").await;
     assert_eq!(summaries(stack.mock.requests().await.unwrap()), 1, "the summary was paid once: {done}");
-    assert_eq!((done["attempts"].as_i64(), done["recoveries"].as_i64()), (Some(1), Some(0)), "{done}");
     let db = stack.db.client().await.unwrap();
     let snapshots: i64 = db
         .query_one("SELECT count(*) FROM context_snapshots WHERE thread_id = $1::text::uuid", &[&thread])
