@@ -4,7 +4,7 @@
 //! Accepted documents ([`parse`]):
 //! - **agentloop export** `{"format": "agentloop.thread.v1", "thread": {title, model, metadata,
 //!   createdAt}, "messages": [{role, content, toolCalls?, toolCallId?, reasoning?, stopped?,
-//!   createdAt}]}` (the shape `GET /api/threads/{id}/export` writes);
+//!   finishReason?, createdAt}]}` (the shape `GET /api/threads/{id}/export` writes);
 //! - **OpenAI** `{"messages": [...], "title"?, "model"?}` or a bare messages array (Chat
 //!   Completions messages: `tool_calls`, `tool_call_id`);
 //! - **ServiceStack llms.py / AI.Chat** — a thread `{id, title, model, systemPrompt?,
@@ -404,6 +404,12 @@ pub fn messages(items: &[Value], param: &str, limits: &Limits) -> Result<(Vec<Im
             Some((k, _)) => return Err(invalid(format!("{at}.{k}"), "reasoning must be a string")),
         };
         let stopped = m.get("stopped").and_then(Value::as_bool).unwrap_or(false);
+        // An agentloop export's mark of an answer the provider cut (`length`, ...).
+        let finish_reason = match field(m, &["finishReason"]) {
+            None | Some((_, Value::Null)) => None,
+            Some((_, Value::String(s))) if r == role::ASSISTANT && !s.is_empty() && s.len() <= 64 => Some(s.clone()),
+            Some((k, _)) => return Err(invalid(format!("{at}.{k}"), "finishReason must be a short string, on an assistant message")),
+        };
         let timestamp_ms = match field(m, &["createdAt", "timestamp", "created_at"]) {
             None => None,
             Some((k, v)) => Some(time_of(v).ok_or_else(|| invalid(format!("{at}.{k}"), "not a timestamp"))?.0),
@@ -452,7 +458,7 @@ pub fn messages(items: &[Value], param: &str, limits: &Limits) -> Result<(Vec<Im
             reasoning,
             token_estimate: 0,
             stopped,
-            finish_reason: None,
+            finish_reason,
         };
         if r == role::TOOL {
             let id = match field(m, &["toolCallId", "tool_call_id"]) {

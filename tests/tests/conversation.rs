@@ -303,6 +303,12 @@ async fn an_answer_cut_by_the_provider_is_marked_cut() {
     assert_eq!(export.status, 200, "{export:?}");
     let exported = export.body["messages"].as_array().unwrap();
     assert_eq!(exported.iter().filter(|m| m["finishReason"] == "length").count(), 1, "{}", export.body);
+    // The export imports with the mark kept.
+    let imported = c.post("/api/threads/import", export.body.clone()).await.unwrap();
+    assert_eq!(imported.status, 201, "{imported:?}");
+    let copy = window(&stack, imported.body["thread"]["id"].as_str().unwrap()).await;
+    let marks: Vec<_> = copy["messages"].as_array().unwrap().iter().filter_map(|m| m["finishReason"].as_str()).collect();
+    assert_eq!(marks, ["length"], "{copy}");
 
     let http = reqwest::Client::new();
     for stream in [false, true] {
