@@ -360,3 +360,42 @@ async fn the_listener_backoff_resets_after_a_healthy_session() {
     println!("reconnect after a healthy session: {gap:?}");
     assert!(gap < Duration::from_secs(1), "the back-off did not reset after a healthy session: {gap:?}");
 }
+
+/// A long-poll answers by its `timeoutMs` even when the journal read a wake-up starts hangs (a
+/// frozen connection, a stalled database): empty, with its cursor unchanged, so the next poll
+/// gets the event. Before, the read ran past the deadline for as long as it hung.
+#[tokio::test]
+async fn a_long_poll_answers_by_its_timeout_when_the_read_after_a_wake_up_hangs() {
+    let options = StackOptions { api_through_proxy: true, workers: 0, ..Default::default() };
+    let stack = Stack::start("long_poll_deadline", options).await.unwrap();
+    let proxy = stack.proxy.as_ref().unwrap();
+    let c = stack.client();
+    let db = stack.db.client().await.unwrap();
+    let thread = Uuid::parse_str(&c.create_thread().await.unwrap()).unwrap();
+    let start = *journal(&db, thread).await.last().unwrap();
+    let started = Instant::now();
+    let poll = {
+        let c = c.clone();
+        tokio::spawn(async move { c.get(&format!("/api/threads/{thread}/updates?afterSequence={start}&timeoutMs=3000")).await.unwrap() })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Every new api connection freezes when it sends the journal read; the pooled ones are cut.
+    proxy.freeze_new(agentloop_tests::proxy::FreezeAt::ClientSends(b"agentloop_slim_event".to_vec()));
+    proxy.cut_all();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    journal_event(&db, thread, 10).await;
+    let r = tokio::time::timeout(Duration::from_secs(20), poll).await.expect("the long-poll answered").unwrap();
+    let took = started.elapsed();
+    assert_eq!((r.status, r.body["events"].as_array().map(Vec::len), r.body["nextSequence"].as_i64()), (200, Some(0), Some(start)), "{r:?}");
+    assert!(took < Duration::from_millis(4500), "answered {took:?} after it was asked, timeoutMs 3000");
+    proxy.pass();
+    proxy.cut_all();
+    let deadline = Instant::now() + T;
+    loop {
+        let r = c.get(&format!("/api/threads/{thread}/updates?afterSequence={start}&timeoutMs=1000")).await.unwrap();
+        if r.status == 200 && r.body["events"].as_array().is_some_and(|e| !e.is_empty()) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the next poll did not get the event: {r:?}");
+    }
+}

@@ -69,9 +69,22 @@ pub async fn poll_updates(
     let deadline = tokio::time::Instant::now() + timeout;
     let gone = crate::connection::client_gone(crate::connection::PeerSocket::of(&req));
     tokio::pin!(gone);
+    let mut first = true;
     loop {
         wake.borrow_and_update();
-        let batch = state.hub.next_batch(&state.pool, thread_id, cursor).await.map_err(|e| ApiError::database_unavailable(&e))?;
+        let read = state.hub.next_batch(&state.pool, thread_id, cursor);
+        // A read after a wake-up ends at the deadline (the client asked for an answer by then;
+        // its cursor is unchanged, so it misses nothing); the first read always completes, so
+        // `timeoutMs=0` still looks once.
+        let batch = if std::mem::take(&mut first) {
+            read.await
+        } else {
+            match tokio::time::timeout_at(deadline, read).await {
+                Ok(batch) => batch,
+                Err(_) => break,
+            }
+        };
+        let batch = batch.map_err(|e| ApiError::database_unavailable(&e))?;
         match batch {
             Batch::Reset { sequence } => {
                 return Ok(HttpResponse::Ok().json(json!({"events": [], "nextSequence": sequence, "reset": true})));
