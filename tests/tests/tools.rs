@@ -344,6 +344,24 @@ async fn tools_cancel_or_delete_during_an_effect_ends_the_run_with_its_outcome_u
             .unwrap()
             .get(0);
         assert!(result.starts_with("[outcome unknown"), "{how}: {result}");
+        if how == "delete thread" {
+            // Deleted with its record uncertain: restorable after the undo window, never
+            // purged, and not deletable again until resolved.
+            db.execute("UPDATE threads SET deleted_at = now() - interval '30 days' WHERE id = $1::text::uuid", &[&thread]).await.unwrap();
+            db.execute("SELECT agentloop_purge_threads('{\"rows\": 1000, \"keepHours\": 1}')", &[]).await.unwrap();
+            let kept: i64 = db.query_one("SELECT count(*) FROM operations WHERE run_id = $1::text::uuid", &[&run_id]).await.unwrap().get(0);
+            assert_eq!(kept, 1, "the purge kept the uncertain record");
+            let r = c.post(&format!("/api/threads/{thread}/restore"), json!({})).await.unwrap();
+            assert_eq!(r.status, 200, "restorable while an operation is uncertain: {r:?}");
+            let r = c.send(reqwest::Method::DELETE, &format!("/api/threads/{thread}"), None, &[]).await.unwrap();
+            assert_eq!((r.status, r.body["error"]["code"].as_str()), (409, Some("operations_uncertain")), "{r:?}");
+            let ops = c.get(&format!("/api/runs/{run_id}/operations")).await.unwrap().body;
+            let key = ops["operations"][0]["key"].as_str().unwrap().to_owned();
+            let r = c.post(&format!("/api/runs/{run_id}/operations/{key}/resolve"), json!({"outcome": "completed"})).await.unwrap();
+            assert_eq!(r.status, 200, "{r:?}");
+            let r = c.send(reqwest::Method::DELETE, &format!("/api/threads/{thread}"), None, &[]).await.unwrap();
+            assert_eq!(r.status, 204, "resolved, it can go: {r:?}");
+        }
     }
     let active: i64 = db.query_one("SELECT count(*) FROM runs WHERE status NOT IN ('completed', 'failed', 'cancelled')", &[]).await.unwrap().get(0);
     assert_eq!(active, 0, "no run is left holding an active-run slot");

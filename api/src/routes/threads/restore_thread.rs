@@ -14,8 +14,10 @@ use crate::extract::Authenticated;
 pub const UNDO_WINDOW: Duration = Duration::from_secs(600);
 
 /// Undoes `DELETE /api/threads/{id}` within [`UNDO_WINDOW`] (10 minutes): the thread and its
-/// history are back; the runs the delete cancelled stay cancelled. 200 with the thread; 404 when
-/// it is not the caller's deleted thread or the window has passed.
+/// history are back; the runs the delete cancelled stay cancelled. A thread with an `uncertain`
+/// operation (a call in flight when it was deleted) can be restored at any time, so the
+/// operation can be resolved (migration 000032). 200 with the thread; 404 when it is not the
+/// caller's deleted thread or the window has passed.
 #[utoipa::path(
     post, path = "/api/threads/{id}/restore", tag = "threads", operation_id = "restore_thread",
     params(("id" = Uuid, Path, description = "Thread id")),
