@@ -416,6 +416,46 @@ async fn a_compaction_summary_whose_checkpoint_freezes_past_the_lease_is_kept() 
     assert_eq!(snapshots, 1);
 }
 
+/// The database goes away (every worker connection frozen) while a compaction summary is being
+/// written by the model, for two leases: the summary arrives during the outage and is kept
+/// through it with its progress events, written once the path thaws — one summary request, one
+/// attempt. Before: the progress events were committed on their own first; that commit carried
+/// no paid work, was not held, and its failure handed the run back, so the summary was paid
+/// again (acceptance probe E: PostgreSQL stopped or read-only for 20-30 s during a summary).
+#[tokio::test]
+async fn a_summary_that_arrives_during_an_outage_is_kept() {
+    use agentloop_tests::proxy::FreezeAt;
+    let stack = Stack::start("outage_during_summary", short_leases(true)).await.unwrap();
+    let proxy = stack.proxy.as_ref().unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    for i in 0..4 {
+        let run = c.chat(&thread, &script(json!([{"text": format!("answer {i} MOCK_SUMMARY_SLOW {}", "filler ".repeat(60))}]))).await.unwrap();
+        c.wait_terminal(run["run"]["id"].as_str().unwrap(), Duration::from_secs(30)).await.unwrap();
+    }
+    let r = c
+        .send(reqwest::Method::PATCH, &format!("/api/threads/{thread}"), Some(json!({"metadata": {"compactThreshold": 800, "compactRecentMessages": 2}})), &[])
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    let is_summary = |r: &serde_json::Value| r["messages"][0]["content"].as_str().is_some_and(|t| t.starts_with("You compress the earlier part"));
+    let summaries = |requests: Vec<serde_json::Value>| requests.iter().filter(|r| is_summary(r)).count();
+    let run = c.chat(&thread, &script(json!([{"text": "the turn after the summary"}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    wait_model_request(&stack, is_summary).await;
+    // The summary takes 2 s: the path freezes under it, for two leases.
+    proxy.freeze_all();
+    proxy.freeze_new(FreezeAt::Start);
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    proxy.pass();
+
+    let done = c.wait_terminal(&run, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(summaries(stack.mock.requests().await.unwrap()), 1, "the summary was paid once: {done}");
+    // The slice whose lease went unconfirmed hands the run back after writing the summary; the
+    // next attempt starts from it (no second compaction) and answers.
+    assert_eq!((done["status"].as_str(), done["recoveries"].as_i64(), done["faults"].as_i64()), (Some("completed"), Some(0), Some(0)), "{done}");
+    assert_eq!(done["compactions"].as_array().map(Vec::len), Some(1), "{done}");
+}
+
 /// Another session holds one thread's row while two runs stream on the same worker: the other
 /// run's live answer keeps flowing (its `streaming` events keep arriving while the row is held),
 /// and both runs complete with one model call each. Before: the one flush of all the worker's

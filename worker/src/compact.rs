@@ -61,7 +61,17 @@ impl Summarizer for ModelSummarizer<'_> {
     }
 }
 
-async fn run_compaction(slice: &mut Slice, model: &ModelConfig, context: &[ContextMessage], settings: &Settings) -> Result<compaction::Compacted, SliceError> {
+/// Runs the summariser over `context`. Returns the result with its progress events, which the
+/// caller journals in the commit that saves the summary: a commit of its own before that one
+/// carried no paid work, so it was not held through an outage, and its failure threw away the
+/// summary that had been paid for (acceptance probe E: an outage past the lease during a
+/// summary call). When compaction fails, the events are journaled here (nothing paid is kept).
+async fn run_compaction(
+    slice: &mut Slice,
+    model: &ModelConfig,
+    context: &[ContextMessage],
+    settings: &Settings,
+) -> Result<(compaction::Compacted, Vec<JournalEvent>), SliceError> {
     let env = slice.env.clone();
     let summarizer = ModelSummarizer {
         provider: &env.provider,
@@ -78,10 +88,15 @@ async fn run_compaction(slice: &mut Slice, model: &ModelConfig, context: &[Conte
         _ = control.model_call_stopped() => return Err(SliceError::Aborted),
     };
     let events = std::mem::take(&mut *summarizer.events.lock().expect("events lock"));
-    if !events.is_empty() {
-        slice.commit(Commit { events, ..Commit::default() }).await?;
+    match result {
+        Ok(compacted) => Ok((compacted, events)),
+        Err(e) => {
+            if !events.is_empty() {
+                slice.commit(Commit { events, ..Commit::default() }).await?;
+            }
+            Err(failed(e.code(), e.to_string()))
+        }
     }
-    result.map_err(|e| failed(e.code(), e.to_string()))
 }
 
 /// Automatic compaction (SPEC §6 step 3): summarises the middle of `context`, commits the next
@@ -95,7 +110,7 @@ pub async fn automatic(
     settings: &Settings,
     tool_tokens: i64,
 ) -> Result<(Vec<ContextMessage>, Option<SnapshotRef>), SliceError> {
-    let compacted = run_compaction(slice, model, context, settings).await?;
+    let (compacted, events) = run_compaction(slice, model, context, settings).await?;
     let mut next = compacted.instructions.clone();
     next.push(context::summary_message(&compacted.summary, compacted.summary_tokens as i32));
     next.extend(compacted.tail.iter().cloned());
@@ -113,6 +128,7 @@ pub async fn automatic(
                 event,
             }),
             context: Some(size),
+            events,
             ..Commit::default()
         })
         .await?;
@@ -141,11 +157,11 @@ pub async fn manual(slice: &mut Slice, run: &Run, model: &ModelConfig) -> Result
     let (mut context, _) = context::from_loaded(&loaded);
     context::bound_messages(&mut context, agentloop_shared::generation::max_input_tokens(model, &metadata));
     let settings = Settings::from_metadata(&metadata, model.context_tokens);
-    let (instructions, summary, tail) = match run_compaction(slice, model, &context, &settings).await {
-        Ok(c) => (c.instructions, Some(c.summary), c.tail),
+    let (instructions, summary, tail, events) = match run_compaction(slice, model, &context, &settings).await {
+        Ok((c, events)) => (c.instructions, Some(c.summary), c.tail, events),
         Err(SliceError::Failed { code, .. }) if code == "compaction_nothing_to_compact" => {
             let split = compaction::split(&context, settings.recent_messages);
-            (split.instructions, None, split.tail)
+            (split.instructions, None, split.tail, Vec::new())
         }
         Err(e) => return Err(e),
     };
@@ -165,6 +181,6 @@ pub async fn manual(slice: &mut Slice, run: &Run, model: &ModelConfig) -> Result
     for m in &mut history {
         m.token_estimate = tokens::estimate_message(&m.content, m.tool_calls.as_ref()) as i32;
     }
-    slice.commit(Commit { messages: history, end: Some(SliceEnd::Completed), ..Commit::default() }).await?;
+    slice.commit(Commit { messages: history, events, end: Some(SliceEnd::Completed), ..Commit::default() }).await?;
     Ok(SliceEnd::Completed)
 }

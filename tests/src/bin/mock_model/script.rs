@@ -316,7 +316,8 @@ const SUMMARY_PROMPT_START: &str = "You compress the earlier part of a conversat
 /// `Summary of <N> characters: <first 80 characters of the transcript>` — always far smaller
 /// than its input, deterministic, and free of `MOCK:` directives. A transcript containing
 /// `MOCK_SUMMARY_GROWS` gets back twice its own text instead (to test refusal of a summary that
-/// does not shrink).
+/// does not shrink); one containing `MOCK_SUMMARY_SLOW` is answered after 2 s (a summary call
+/// long enough for a fault to start during it).
 fn summary_reply(messages: &[Value]) -> Option<Reply> {
     let first = messages.first()?;
     if role(first) != "system" || !content_text(first).starts_with(SUMMARY_PROMPT_START) {
@@ -338,7 +339,8 @@ fn summary_reply(messages: &[Value]) -> Option<Reply> {
         }
         text
     };
-    Some(Reply { text, ..Reply::default() })
+    let delay = if transcript.contains("MOCK_SUMMARY_SLOW") { Duration::from_secs(2) } else { Duration::ZERO };
+    Some(Reply { text, delay, ..Reply::default() })
 }
 
 /// The counting loop of [`CountLoop`].
