@@ -223,3 +223,36 @@ fn statement_groups_split_at_commit_lines_and_skip_empty_ones() {
     assert!(groups[0].contains("SELECT 1;") && groups[0].contains("SELECT 2;"));
     assert_eq!(groups[1].trim(), "CREATE INDEX CONCURRENTLY x ON y (z);");
 }
+
+/// Several processes migrate one empty database at once — three `agentloop-worker migrate` and
+/// two `agentloop-api migrate`, as replicas with migrate-on-start do: every one exits 0 and
+/// every migration is applied once. Before: a migrator waiting for another's advisory lock gave
+/// up after the 0.5 s `lock_timeout` (2 of 3 failed), and the api binary panicked whenever a
+/// migration was pending (its runtime is single-threaded; acceptance probe E).
+#[tokio::test]
+async fn concurrent_migrators_all_succeed_and_apply_each_migration_once() {
+    let db = EmptyDb::create().await;
+    let mut children = Vec::new();
+    for (binary, n) in [("agentloop-worker", 3), ("agentloop-api", 2)] {
+        for _ in 0..n {
+            let child = tokio::process::Command::new(agentloop_tests::bin(binary))
+                .arg("migrate")
+                .env("DATABASE_URL", &db.url)
+                .env("RUST_LOG", "warn")
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap();
+            children.push((binary, child));
+        }
+    }
+    for (binary, child) in children {
+        let out = tokio::time::timeout(Duration::from_secs(120), child.wait_with_output()).await.expect("a migrator hung").unwrap();
+        assert!(out.status.success(), "{binary} migrate: {:?}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    }
+    let c = connect(&db.url, "check").await;
+    let applied: i64 = c.query_one("SELECT count(*) FROM __diesel_schema_migrations", &[]).await.unwrap().get(0);
+    let dirs = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../migrations")).unwrap().filter(|e| e.as_ref().unwrap().path().is_dir()).count();
+    assert_eq!(applied as usize, dirs, "every migration applied once");
+}

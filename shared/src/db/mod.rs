@@ -247,9 +247,14 @@ fn is_lock_timeout(error: &(dyn std::error::Error + Send + Sync)) -> bool {
 ///
 /// Every statement runs with `lock_timeout` [`MIGRATION_LOCK_TIMEOUT`]; a migration that fails on
 /// it is tried again (up to [`MIGRATION_ATTEMPTS`] times) instead of blocking the traffic queued
-/// behind its lock request (migrations/README.md).
+/// behind its lock request (migrations/README.md). The advisory lock itself is waited for
+/// without a timeout, by polling `pg_try_advisory_lock`: a second migrator waits for the
+/// first, then finds nothing pending (acceptance probe E: with `lock_timeout` already set, 2
+/// of 3 concurrent migrators failed).
 ///
-/// Must run on a multi-threaded tokio runtime (diesel-async's harness uses `block_in_place`).
+/// Runs on any tokio runtime: diesel-async's harness blocks (`block_in_place`, which only a
+/// multi-threaded runtime allows), so the work runs on a runtime of its own on a blocking
+/// thread (the api's actix runtime is single-threaded: `agentloop-api migrate` panicked).
 pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, DbError> {
     run_migrations_up_to(database_url, usize::MAX).await
 }
@@ -257,12 +262,44 @@ pub async fn run_migrations(database_url: &str) -> Result<Vec<String>, DbError> 
 /// Like [`run_migrations`], applying at most `limit` pending migrations (the migration tests
 /// apply them one at a time under load).
 pub async fn run_migrations_up_to(database_url: &str, limit: usize) -> Result<Vec<String>, DbError> {
+    let url = database_url.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| DbError::Migration(format!("cannot start the migration runtime: {e}")))?;
+        runtime.block_on(migrate(&url, limit))
+    })
+    .await
+    .map_err(|e| DbError::Migration(format!("the migration task failed: {e}")))?
+}
+
+/// `pg_try_advisory_lock`'s answer.
+#[derive(diesel::QueryableByName)]
+struct Locked {
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    locked: bool,
+}
+
+async fn migrate(database_url: &str, limit: usize) -> Result<Vec<String>, DbError> {
     let mut conn = AsyncPgConnection::establish(database_url).await?;
+    // The advisory lock is waited for as long as another migrator holds it, between short
+    // tries: a session blocked inside `pg_advisory_lock` holds a snapshot, which a `CREATE
+    // INDEX CONCURRENTLY` of the migrator holding the lock waits for — a deadlock (acceptance
+    // probe E's concurrent migrators). Every statement after it runs under
+    // MIGRATION_LOCK_TIMEOUT.
+    loop {
+        let Locked { locked } = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS locked")
+            .bind::<diesel::sql_types::BigInt, _>(MIGRATION_LOCK_KEY)
+            .get_result(&mut conn)
+            .await?;
+        if locked {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200 + rand::random_range(0..100))).await;
+    }
     conn.batch_execute(&format!("SET lock_timeout = {}", MIGRATION_LOCK_TIMEOUT.as_millis())).await?;
-    diesel::sql_query("SELECT pg_advisory_lock($1)")
-        .bind::<diesel::sql_types::BigInt, _>(MIGRATION_LOCK_KEY)
-        .execute(&mut conn)
-        .await?;
     let mut harness = AsyncMigrationHarness::new(conn);
     let mut applied = Vec::new();
     let result = async {
