@@ -188,6 +188,13 @@ export const tests = [
       const all = await page.evaluate(() => navigator.clipboard.readText());
       assert(all.includes('## Plan') && all.includes('The tool said 42.'), 'the whole message copied as Markdown');
       assert(await page.locator(sel('timestamp')).count() >= 2, 'messages show their time');
+      // An answer the provider cut at its length limit says so.
+      await send(page, mock([{ text: 'The three steps are: one, two, th', finishReason: 'length' }]));
+      await waitStatus(page, 'completed');
+      const cut = page.locator(`${sel('message')}[data-role="assistant"]`).last();
+      await cut.locator(sel('cut')).waitFor();
+      assert((await cut.locator(sel('cut')).innerText()).includes('length limit'), 'the cut answer is marked');
+      assert(await bubbles(page, 'assistant').first().locator(sel('cut')).count() === 0, 'a finished answer is not');
       await shots(page, 'ui-01-markdown');
       await page.click(sel('theme'));
       await shots(page, 'ui-01-markdown-dark');

@@ -61,11 +61,12 @@ impl Summarizer for ModelSummarizer<'_> {
     }
 }
 
-/// Runs the summariser over `context`. Returns the result with its progress events, which the
-/// caller journals in the commit that saves the summary: a commit of its own before that one
-/// carried no paid work, so it was not held through an outage, and its failure threw away the
-/// summary that had been paid for (acceptance probe E: an outage past the lease during a
-/// summary call). When compaction fails, the events are journaled here (nothing paid is kept).
+/// Runs the summariser over `context`. Returns the result with its progress events, for the
+/// caller to journal (or not) in the commit that saves the summary: a commit of their own
+/// before that one carried no paid work, so it was not held through an outage, and its failure
+/// threw away the summary that had been paid for (acceptance probe E: an outage past the lease
+/// during a summary call). When compaction fails, the events are journaled here (nothing paid
+/// is kept).
 async fn run_compaction(
     slice: &mut Slice,
     model: &ModelConfig,
@@ -110,7 +111,9 @@ pub async fn automatic(
     settings: &Settings,
     tool_tokens: i64,
 ) -> Result<(Vec<ContextMessage>, Option<SnapshotRef>), SliceError> {
-    let (compacted, events) = run_compaction(slice, model, context, settings).await?;
+    // The progress events would be journaled in the same transaction as the result, after its
+    // `compaction` event (`done`), and would read as still running: the result says it all.
+    let (compacted, _progress) = run_compaction(slice, model, context, settings).await?;
     let mut next = compacted.instructions.clone();
     next.push(context::summary_message(&compacted.summary, compacted.summary_tokens as i32));
     next.extend(compacted.tail.iter().cloned());
@@ -128,7 +131,6 @@ pub async fn automatic(
                 event,
             }),
             context: Some(size),
-            events,
             ..Commit::default()
         })
         .await?;
