@@ -231,6 +231,35 @@ async fn tools_double_approval_from_two_clients_runs_the_tool_once() {
     assert_eq!(key, op["key"].as_str().unwrap(), "the tool got the key as its idempotency key");
 }
 
+/// `deny` is the operator's kill switch: a call approved after its tool was set to `deny` (a
+/// new tools file, the workers restarted) is not run; its result says the policy denied it.
+/// Before, the approved call ran (acceptance probe E: the receiver saw the payment).
+#[tokio::test]
+async fn tools_an_approved_call_is_not_run_once_its_tool_is_denied() {
+    let ask = json!({"tools": {"record_effect": {"policy": "ask"}}});
+    let mut stack = start("approve_then_deny", ask, &[("AGENTLOOP_TEST_TOOLS", "1")]).await;
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "pay"}}]}, {"text": "after: {{tool_result}}"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    wait_status(&c, &run_id, "waiting_approval").await;
+    // The operator denies the tool: a new tools file, the worker replaced.
+    stack.workers[0].signal(Sig::SIGTERM);
+    assert!(stack.workers[0].wait_exit(Duration::from_secs(20)), "the worker stopped");
+    let deny = tools_env("approve_then_deny_denied", json!({"tools": {"record_effect": {"policy": "deny"}}}), &[]);
+    let file = deny[0].1.clone();
+    stack.add_worker(&[("TOOLS_FILE", file.as_str())]).unwrap();
+    let approval = pending(&c, &thread).await.remove(0);
+    assert_eq!(c.post(&format!("/api/approvals/{}/approve", id(&approval)), json!({})).await.unwrap().status, 200);
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let db = stack.db.client().await.unwrap();
+    let effects: i64 = db.query_one("SELECT count(*) FROM agentloop_test_effects", &[]).await.unwrap().get(0);
+    assert_eq!(effects, 0, "the denied tool did not run");
+    let result = messages(&c, &thread).await.into_iter().find(|m| m["role"] == "tool").unwrap();
+    assert!(result["content"].as_str().unwrap().contains("deny"), "{result}");
+}
+
 #[tokio::test]
 async fn tools_an_undecided_approval_expires_and_the_run_continues() {
     let tools = json!({"tools": {"calculator": {"policy": "ask"}}});

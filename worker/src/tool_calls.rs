@@ -283,7 +283,14 @@ async fn execute(
     let used = credential.as_ref().and_then(|c| c.token.as_deref()).map(agentloop_shared::tools::mcp::fingerprint);
     let ctx = ToolContext { idempotency_key: key.clone(), cancel: slice.control.cancel_token(), credential };
     let started = Instant::now();
+    // `deny` is the operator's kill switch: it holds for every call not sent yet, approved ones
+    // included (acceptance probe E: a call approved after the tool was set to deny still ran).
+    let denied_now = matches!(tools.policy(&call.name), Policy::Deny);
     if tools.is_idempotent(&call.name) {
+        if denied_now {
+            results.push(result_for(call, denied(&call.name)));
+            return Ok(None);
+        }
         let span = tool_span(call);
         let mut outcome = tools.invoke(tool.as_ref(), arguments, ctx).instrument(span.clone()).await;
         traced(&span, &outcome);
@@ -310,6 +317,10 @@ async fn execute(
             let messages = results.take();
             slice.commit(Commit { messages, end: Some(SliceEnd::Blocked), ..Commit::default() }).await?;
             return Ok(Some(SliceEnd::Blocked));
+        }
+        _ if denied_now => {
+            results.push(result_for(call, denied(&call.name)));
+            return Ok(None);
         }
         _ => {}
     }
