@@ -231,6 +231,41 @@ async fn tools_double_approval_from_two_clients_runs_the_tool_once() {
     assert_eq!(key, op["key"].as_str().unwrap(), "the tool got the key as its idempotency key");
 }
 
+/// SIGTERM while a call with external effects runs longer than the shutdown grace: the worker
+/// waits for it (`WORKER_EFFECT_DRAIN_MS`), commits its outcome and hands the run back; the next
+/// worker completes the run — the operation `completed`, the effect performed once, nothing
+/// `uncertain`. Before, the worker exited at the grace and the run was left `blocked` for a
+/// human to resolve (acceptance probe E: a 20 s call, the default 10 s grace).
+#[tokio::test]
+async fn tools_a_shutdown_waits_for_an_effect_in_flight_past_the_grace() {
+    let grace = [("AGENTLOOP_TEST_TOOLS", "1"), ("WORKER_SHUTDOWN_GRACE_MS", "1000")];
+    let mut stack = start("shutdown_effect_drain", json!({}), &grace).await;
+    let c = stack.client();
+    let db = stack.db.client().await.unwrap();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "slow", "seconds": 4}}]}, {"text": "after: {{tool_result}}"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + T;
+    while db.query_one("SELECT count(*) FROM agentloop_test_effects", &[]).await.unwrap().get::<_, i64>(0) == 0 {
+        assert!(Instant::now() < deadline, "the effect did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stopping = Instant::now();
+    stack.workers[0].signal(Sig::SIGTERM);
+    assert!(stack.workers[0].wait_exit(Duration::from_secs(20)), "the worker exited");
+    let took = stopping.elapsed();
+    assert!(took >= Duration::from_secs(2), "the worker waited for the call in flight ({took:?})");
+    stack.add_worker(&[]).unwrap();
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let ops = c.get(&format!("/api/runs/{run_id}/operations")).await.unwrap().body;
+    assert_eq!(ops["operations"][0]["status"], "completed", "{ops}");
+    let effects: i64 = db.query_one("SELECT count(*) FROM agentloop_test_effects", &[]).await.unwrap().get(0);
+    assert_eq!(effects, 1);
+    let answer = messages(&c, &thread).await.into_iter().filter(|m| m["role"] == "assistant").last().unwrap();
+    assert_eq!(answer["content"], "after: recorded slow", "{answer}");
+}
+
 /// `deny` is the operator's kill switch: a call approved after its tool was set to `deny` (a
 /// new tools file, the workers restarted) is not run; its result says the policy denied it.
 /// Before, the approved call ran (acceptance probe E: the receiver saw the payment).

@@ -39,6 +39,8 @@ struct State {
     confirmed: Instant,
     /// The slice committed its end: its lease is released on purpose.
     ended: bool,
+    /// When the call with external effects in flight was sent, if one is.
+    effect_since: Option<Instant>,
 }
 
 /// Handle on one running slice; cheap to clone.
@@ -67,7 +69,7 @@ impl SliceControl {
             token: CancellationToken::new(),
             effects: CancellationToken::new(),
             model: CancellationToken::new(),
-            state: Arc::new(Mutex::new(State { reason: None, confirmed: claimed, ended: false })),
+            state: Arc::new(Mutex::new(State { reason: None, confirmed: claimed, ended: false, effect_since: None })),
         }
     }
 
@@ -125,6 +127,17 @@ impl SliceControl {
     /// not by a shutdown.
     pub fn effect_token(&self) -> CancellationToken {
         self.effects.child_token()
+    }
+
+    /// Records that a call with external effects is sent now (`true`) or has its outcome
+    /// (`false`): a shutdown waits for it beyond the grace period (`WORKER_EFFECT_DRAIN_MS`).
+    pub fn effect_in_flight(&self, sent: bool) {
+        self.state.lock().expect("slice state").effect_since = sent.then(Instant::now);
+    }
+
+    /// When the call with external effects in flight was sent, if one is.
+    pub fn effect_since(&self) -> Option<Instant> {
+        self.state.lock().expect("slice state").effect_since
     }
 
     /// Records that the lease was extended now.

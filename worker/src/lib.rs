@@ -93,6 +93,15 @@ pub struct WorkerConfig {
     #[arg(long, env = "WORKER_SHUTDOWN_GRACE_MS", default_value = "10000", value_parser = parse_millis)]
     pub shutdown_grace: Duration,
 
+    /// On SIGTERM/SIGINT, how long in ms a call with external effects already sent is waited for,
+    /// counted from when it was sent, even past `WORKER_SHUTDOWN_GRACE_MS`: its outcome is then
+    /// known and committed instead of left `uncertain` (a blocked run a human must resolve).
+    /// Default above the default HTTP tool and MCP call timeouts (60 s); keep the supervisor's
+    /// stop timeout (systemd `TimeoutStopSec`, Kubernetes `terminationGracePeriodSeconds`) above
+    /// both (acceptance probe E: a 20 s call cut at the 10 s grace blocked its run).
+    #[arg(long, env = "WORKER_EFFECT_DRAIN_MS", default_value = "65000", value_parser = parse_millis)]
+    pub effect_drain: Duration,
+
     /// Interval in ms between flushes of the streaming partial answers (one transaction for all
     /// of the process's streams).
     #[arg(long, env = "WORKER_STREAM_THROTTLE_MS", default_value = "250", value_parser = parse_millis)]

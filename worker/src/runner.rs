@@ -380,11 +380,31 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     // period leaves time to hand their runs back; then the ones still streaming are dropped.
     let grace_ends = tokio::time::Instant::now() + config.shutdown_grace;
     let model_calls_end = grace_ends - shutdown_reserve(config.shutdown_grace);
-    let drained = tokio::time::timeout_at(grace_ends, async {
+    // A call with external effects already sent is waited for past the grace, up to
+    // WORKER_EFFECT_DRAIN_MS from when it was sent: cut, its outcome would be unknown.
+    let effects_end = || {
+        in_flight
+            .lock()
+            .expect("in-flight lock")
+            .values()
+            .filter_map(|c| c.effect_since())
+            .map(|since| tokio::time::Instant::from_std(since) + config.effect_drain)
+            .max()
+    };
+    let drained = async {
         let mut model_calls_stopped = false;
+        let mut deadline = grace_ends;
         loop {
             tokio::select! {
-                joined = slices.join_next() => if joined.is_none() { break },
+                joined = slices.join_next() => if joined.is_none() { break Ok(()) },
+                _ = tokio::time::sleep_until(deadline) => match effects_end().filter(|end| *end > deadline) {
+                    Some(end) => {
+                        tracing::info!(wait_ms = end.saturating_duration_since(deadline).as_millis() as u64,
+                                       "grace period over; waiting for calls with external effects in flight");
+                        deadline = end;
+                    }
+                    None => break Err(()),
+                },
                 _ = tokio::time::sleep_until(model_calls_end), if !model_calls_stopped => {
                     model_calls_stopped = true;
                     let controls = in_flight.lock().expect("in-flight lock").values().cloned().collect::<Vec<_>>();
@@ -395,7 +415,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                 }
             }
         }
-    })
+    }
     .await;
     if drained.is_err() {
         tracing::warn!("grace period elapsed with slices still running; their leases will expire");

@@ -339,7 +339,9 @@ async fn execute(
     // it, and the registry then reports the outcome as uncertain.
     let ctx = ToolContext { cancel: slice.control.effect_token(), ..ctx };
     let span = tool_span(call);
+    slice.control.effect_in_flight(true);
     let mut outcome = tools.invoke(tool.as_ref(), arguments, ctx).instrument(span.clone()).await;
+    slice.control.effect_in_flight(false);
     traced(&span, &outcome);
     record(call, &outcome, true, started);
     if let (Some(challenge), Some(server)) = (outcome.authorization.clone(), &oauth) {
