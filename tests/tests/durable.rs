@@ -740,7 +740,7 @@ async fn durable_a_claim_whose_answer_is_lost_is_not_replayed_but_readopted() {
     let lease = Duration::from_secs(60);
     let claim = tokio::spawn({
         let store = store.clone();
-        async move { scheduler::claim(&store, &scheduler::Pass { owner: "w-lost", limit: 4, lease, inflight: &[], released: &[], adopt: false, start: None, spare: None }).await }
+        async move { scheduler::claim(&store, &scheduler::Pass { owner: "w-lost", limit: 4, lease, inflight: &[], released: &[], adopt: false, start: None, spare: None, models: None }).await }
     });
     tokio::time::sleep(Duration::from_millis(400)).await;
     proxy.freeze_all();
@@ -750,7 +750,7 @@ async fn durable_a_claim_whose_answer_is_lost_is_not_replayed_but_readopted() {
     let owner: Option<String> = db.query_one("SELECT lease_owner FROM runs WHERE id = $1::text::uuid", &[&run]).await.unwrap().get(0);
     assert_eq!(owner.as_deref(), Some("w-lost"));
     proxy.pass();
-    let again = scheduler::claim(&store, &scheduler::Pass { owner: "w-lost", limit: 4, lease, inflight: &[], released: &[], adopt: true, start: None, spare: None }).await.unwrap();
+    let again = scheduler::claim(&store, &scheduler::Pass { owner: "w-lost", limit: 4, lease, inflight: &[], released: &[], adopt: true, start: None, spare: None, models: None }).await.unwrap();
     assert_eq!(again.runs.len(), 1, "{again:?}");
     assert_eq!(again.runs[0].id.to_string(), run);
     assert_eq!(again.runs[0].lease_epoch, 1, "the same fencing token");

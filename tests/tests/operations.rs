@@ -380,7 +380,7 @@ async fn quiet_calls_notify_in_their_own_commit_and_leave_nothing_deferred() {
         ))
         .await
         .unwrap();
-    let claimed = agentloop_shared::scheduler::claim(&store, &agentloop_shared::scheduler::Pass { owner: "quiet-worker", limit: 4, lease: Duration::from_secs(15), inflight: &[], released: &[], adopt: false, start: None, spare: None }).await.unwrap();
+    let claimed = agentloop_shared::scheduler::claim(&store, &agentloop_shared::scheduler::Pass { owner: "quiet-worker", limit: 4, lease: Duration::from_secs(15), inflight: &[], released: &[], adopt: false, start: None, spare: None, models: None }).await.unwrap();
     assert_eq!(claimed.runs.iter().map(|r| r.id).collect::<Vec<_>>(), vec![run]);
     assert_eq!(pending(store.clone()).await, "", "a quiet claim left notifications pending");
     let status: String = setup.query_one("SELECT status FROM runs WHERE id = $1", &[&run]).await.unwrap().get(0);

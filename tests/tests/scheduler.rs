@@ -604,3 +604,24 @@ async fn the_claim_timer_counts_the_callers_own_runs_it_no_longer_executes() {
     let before = faults + 1;
     assert_eq!(seen, [vec![before; 8], vec![before + 1]].concat(), "faults after each outage release");
 }
+
+/// A worker claims only runs of the models it serves: one whose catalog lacks the run's model
+/// leaves it queued (it failed it `model_not_configured` before, while a worker that had the
+/// model was idle or about to start — a rolling upgrade that adds a model; acceptance probe E),
+/// and the run completes as soon as a worker with the model is there.
+#[tokio::test]
+async fn a_worker_claims_only_runs_of_the_models_it_serves() {
+    let mut stack = Stack::start("claim_by_model", StackOptions { workers: 0, ..Default::default() }).await.unwrap();
+    // A worker whose only model is `other` (the same mock behind it).
+    stack.add_worker(&[("MODEL_NAME", "other")]).unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    let run = c.chat(&thread, &script(json!([{"text": "answered by a worker that has mock"}]))).await.unwrap();
+    let run_id = run["run"]["id"].as_str().unwrap().to_owned();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let r = c.get(&format!("/api/runs/{run_id}")).await.unwrap().body;
+    assert_eq!((r["status"].as_str(), r["attempts"].as_i64()), (Some("queued"), Some(0)), "left to a worker that has the model: {r}");
+    stack.add_worker(&[]).unwrap();
+    let done = c.wait_terminal(&run_id, Duration::from_secs(30)).await.unwrap();
+    assert_eq!((done["status"].as_str(), done["attempts"].as_i64()), (Some("completed"), Some(1)), "{done}");
+}

@@ -198,6 +198,9 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     );
     let mut slices = JoinSet::new();
     let slots = config.concurrency as usize;
+    // The worker claims only runs of the models it serves (a fleet in a rolling upgrade may
+    // differ): the others wait for a worker that has them.
+    let model_ids: Vec<String> = env.catalog.models.iter().map(|m| m.id.clone()).collect();
     let mut pass_wanted = true;
     // After a failed claim pass its answer may have been lost: the next pass re-adopts.
     let mut adopt_next = false;
@@ -271,6 +274,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                 adopt: adopt_next,
                 start: start.as_ref(),
                 spare: spared.map(|(d, _)| d),
+                models: Some(&model_ids),
             };
             match scheduler::claim(&store, &pass).await {
                 Ok(claimed) => {

@@ -99,6 +99,9 @@ pub struct Pass<'a> {
     /// database outage and one lease before it: their owners are likely alive; see the worker's
     /// `control::Outages`).
     pub spare: Option<Duration>,
+    /// The model ids the worker serves (its catalog): runs of other models are left to other
+    /// workers (migration 000033). `None`: any model.
+    pub models: Option<&'a [String]>,
 }
 
 /// Claims at most `pass.limit` runs for `pass.owner` under a lease of `pass.lease` (database
@@ -112,12 +115,12 @@ pub struct Pass<'a> {
 /// [`Claimed::starts`]). `released` runs (see [`Released`]) that are still `running` under the
 /// owner with their epoch are taken back first, after adopted ones. Runs in `inflight` are
 /// never claimed (their slice still executes them); `spare` leaves recently expired ones
-/// (migration 000026).
+/// (migration 000026); with `models`, only runs of those models are claimed (000033).
 pub async fn claim(store: &Store, pass: &Pass<'_>) -> Result<Claimed, StoreError> {
-    let Pass { owner, limit, lease, inflight, released, adopt, start, spare } = *pass;
+    let Pass { owner, limit, lease, inflight, released, adopt, start, spare, models } = *pass;
     let arg = json!({"owner": owner, "limit": limit, "leaseMs": lease.as_millis() as u64, "inflight": inflight,
                      "released": released, "adopt": adopt, "start": start,
-                     "spareMs": spare.map(|d| d.as_millis() as u64)});
+                     "spareMs": spare.map(|d| d.as_millis() as u64), "models": models});
     // Not replayed by the store: the same argument sent again would not re-adopt what a lost
     // attempt claimed (those runs would wait for their lease to expire and count a fault). The
     // caller sends its next pass with `adopt` instead.
