@@ -184,6 +184,10 @@ pub enum CompactionError {
     /// The summarisation call failed.
     #[error("summarisation failed: {0}")]
     Model(String),
+    /// The summariser was told to stop (a shutdown, a cancellation) before any part was
+    /// summarised; with parts done, [`compact`] returns them as a partial compaction instead.
+    #[error("compaction stopped before any part was summarised")]
+    Stopped,
 }
 
 impl CompactionError {
@@ -193,13 +197,21 @@ impl CompactionError {
             Self::NothingToCompact => "compaction_nothing_to_compact",
             Self::EmptySummary | Self::NotSmaller { .. } => "compaction_failed",
             Self::Model(_) => "compaction_model_error",
+            Self::Stopped => "compaction_stopped",
         }
     }
 }
 
 /// Produces summaries. `transcript` is rendered text; `target_tokens` the size to aim for.
 pub trait Summarizer: Send + Sync {
+    /// One summary; [`CompactionError::Stopped`] when the call was dropped by a stop.
     fn summarize(&self, transcript: String, target_tokens: i64) -> BoxFuture<'_, Result<String, CompactionError>>;
+
+    /// Whether to start no further summarisation call (a shutdown, a cancellation): the parts
+    /// already summarised are kept as a partial compaction (see [`compact`]).
+    fn stopped(&self) -> bool {
+        false
+    }
 }
 
 /// Progress of a compaction: batch `part` of `of` in pass `pass`.
@@ -231,6 +243,14 @@ pub struct Compacted {
 }
 
 /// Compacts `context` with `settings`, calling `progress` before each summarisation call.
+///
+/// Paid summaries are never thrown away by a stop ([`Summarizer::stopped`] before a call, or a
+/// call that ends [`CompactionError::Stopped`]): with `k >= 1` parts of the first pass
+/// summarised, the result is a partial compaction covering those parts only — their summaries
+/// joined, the rest of the middle kept verbatim ahead of the tail (a later compaction folds it
+/// in); in a reduction pass, the previous pass's summaries are kept. Without any part done:
+/// `Err(Stopped)`. Acceptance (verification of probe E): a SIGTERM during a 7-part compaction
+/// started new summary calls after it and threw away the 4 already paid for.
 pub async fn compact(
     context: &[ContextMessage],
     settings: &Settings,
@@ -241,21 +261,37 @@ pub async fn compact(
     if middle.is_empty() {
         return Err(CompactionError::NothingToCompact);
     }
-    let input_tokens: i64 = middle.iter().map(|c| i64::from(c.message.token_estimate.max(1))).sum();
     let target = settings.summary_target();
     let mut calls = 0;
     let parts = batches(&middle, settings.chunk_tokens);
     let mut summaries = Vec::with_capacity(parts.len());
     for (i, part) in parts.iter().enumerate() {
+        if summarizer.stopped() {
+            break;
+        }
         progress(Progress { pass: 1, part: i + 1, of: parts.len() });
         let per_part = (target / parts.len() as i64).max(500);
-        summaries.push(checked(summarizer.summarize(render(part), per_part).await?)?);
+        match summarizer.summarize(render(part), per_part).await {
+            Ok(text) => summaries.push(checked(text)?),
+            Err(CompactionError::Stopped) => break,
+            Err(e) => return Err(e),
+        }
         calls += 1;
     }
+    if summaries.is_empty() {
+        return Err(CompactionError::Stopped);
+    }
+    // The parts summarised (all of them unless stopped) and what stays verbatim.
+    let done: Vec<ContextMessage> = parts[..summaries.len()].iter().flatten().cloned().collect();
+    let mut tail = tail;
+    if summaries.len() < parts.len() {
+        let rest: Vec<ContextMessage> = parts[summaries.len()..].iter().flatten().cloned().collect();
+        tail.splice(0..0, rest);
+    }
+    let input_tokens: i64 = done.iter().map(|c| i64::from(c.message.token_estimate.max(1))).sum();
     let mut summary = summaries.join("\n\n");
     let mut passes = 1;
-    while tokens::estimate_text(&summary) as i64 > target && passes < MAX_PASSES {
-        passes += 1;
+    'reduce: while summaries.len() == parts.len() && tokens::estimate_text(&summary) as i64 > target && passes < MAX_PASSES {
         // Reduce: batch the partial summaries by the chunk budget and summarise each batch.
         let mut groups: Vec<String> = Vec::new();
         let mut used = 0i64;
@@ -273,10 +309,18 @@ pub async fn compact(
         let n = groups.len();
         let mut next = Vec::with_capacity(n);
         for (i, g) in groups.into_iter().enumerate() {
-            progress(Progress { pass: passes, part: i + 1, of: n });
-            next.push(checked(summarizer.summarize(format!("[EARLIER SUMMARY]\n{g}"), (target / n as i64).max(500)).await?)?);
+            if summarizer.stopped() {
+                break 'reduce;
+            }
+            progress(Progress { pass: passes + 1, part: i + 1, of: n });
+            match summarizer.summarize(format!("[EARLIER SUMMARY]\n{g}"), (target / n as i64).max(500)).await {
+                Ok(text) => next.push(checked(text)?),
+                Err(CompactionError::Stopped) => break 'reduce,
+                Err(e) => return Err(e),
+            }
             calls += 1;
         }
+        passes += 1;
         summaries = next;
         summary = summaries.join("\n\n");
     }
@@ -285,8 +329,8 @@ pub async fn compact(
         return Err(CompactionError::NotSmaller { summary: summary_tokens, input: input_tokens });
     }
     Ok(Compacted {
-        covered: middle.iter().filter(|c| !is_summary(&c.message)).filter_map(|c| c.identity).collect(),
-        folded_summary: middle.iter().any(|c| is_summary(&c.message)),
+        covered: done.iter().filter(|c| !is_summary(&c.message)).filter_map(|c| c.identity).collect(),
+        folded_summary: done.iter().any(|c| is_summary(&c.message)),
         instructions,
         summary,
         summary_tokens,
@@ -392,5 +436,50 @@ mod tests {
         assert_eq!(big.1.load(Ordering::SeqCst), 1 + 3, "stops after 4 passes");
         let empty = Fixed("  ".into(), AtomicUsize::new(0));
         assert!(matches!(compact(&ctx, &settings, &empty, &mut |_| {}).await, Err(CompactionError::EmptySummary)));
+    }
+
+    /// Summarises until `stop_after` calls were made, then reports a stop: before the next call
+    /// (`stopped`), or — with `drop_call` — by ending that call `Stopped`.
+    struct Stopping {
+        calls: AtomicUsize,
+        stop_after: usize,
+        drop_call: bool,
+    }
+    impl Summarizer for Stopping {
+        fn summarize(&self, _t: String, _target: i64) -> BoxFuture<'_, Result<String, CompactionError>> {
+            let n = self.calls.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move { if self.drop_call && n >= self.stop_after { Err(CompactionError::Stopped) } else { Ok(format!("summary {n}")) } })
+        }
+        fn stopped(&self) -> bool {
+            !self.drop_call && self.calls.load(Ordering::SeqCst) >= self.stop_after
+        }
+    }
+
+    /// A stop mid-compaction keeps the parts already summarised (they are paid for) as a
+    /// partial compaction: the summaries of those parts, their rows covered, the rest of the
+    /// middle kept verbatim ahead of the tail; no call is started after the stop. A stop before
+    /// any part is `Stopped`.
+    #[tokio::test]
+    async fn a_stop_keeps_the_parts_already_summarised() {
+        let mut ctx = vec![msg(role::SYSTEM, "rules", 1)];
+        for i in 0..40 {
+            ctx.push(msg(if i % 2 == 0 { role::USER } else { role::ASSISTANT }, &"word ".repeat(2_000), 10 + i));
+        }
+        let settings = Settings::from_metadata(&json!({"compactChunkTokens": 8000}), Some(200_000));
+        let whole = compact(&ctx, &settings, &Fixed("s".into(), AtomicUsize::new(0)), &mut |_| {}).await.unwrap();
+        assert!(whole.calls >= 4, "{} parts", whole.calls);
+        for drop_call in [false, true] {
+            let s = Stopping { calls: AtomicUsize::new(0), stop_after: 2, drop_call };
+            let out = compact(&ctx, &settings, &s, &mut |_| {}).await.unwrap();
+            let started = s.calls.load(Ordering::SeqCst);
+            assert_eq!(started, if drop_call { 3 } else { 2 }, "no call after the stop");
+            assert_eq!((out.calls, out.summary.as_str()), (2, "summary 0\n\nsummary 1"));
+            let covered = out.covered.len();
+            assert!(covered > 0 && covered < whole.covered.len(), "{covered} of {}", whole.covered.len());
+            assert_eq!(out.tail.len(), whole.tail.len() + whole.covered.len() - covered, "the rest of the middle stays verbatim");
+            assert_eq!(out.tail.first().unwrap().identity, Some(10 + covered as i64), "in order, right after the covered rows");
+        }
+        let s = Stopping { calls: AtomicUsize::new(0), stop_after: 0, drop_call: false };
+        assert!(matches!(compact(&ctx, &settings, &s, &mut |_| {}).await, Err(CompactionError::Stopped)));
     }
 }

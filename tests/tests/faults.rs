@@ -456,6 +456,52 @@ async fn a_summary_that_arrives_during_an_outage_is_kept() {
     assert_eq!(done["compactions"].as_array().map(Vec::len), Some(1), "{done}");
 }
 
+/// SIGTERM during a compaction of several parts (each summary 2 s): the worker starts no new
+/// summary call after it, keeps the parts already summarised as a partial snapshot, and hands
+/// the run back; the next worker summarises only what is left. No part is summarised twice.
+/// Before: the summariser went on after the SIGTERM, then was dropped with the grace, and the
+/// next worker started over — 11 summary requests for 7 parts (verification of probe E).
+#[tokio::test]
+async fn a_shutdown_during_a_long_compaction_keeps_the_parts_already_summarised() {
+    let mut stack = Stack::start("shutdown_mid_compaction", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let messages: Vec<serde_json::Value> = (0..40)
+        .map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("MOCK_SUMMARY_SLOW part {i} {}", "word ".repeat(1500))}))
+        .collect();
+    let r = c.post("/api/threads/import", json!({"messages": messages, "metadata": {"compactThreshold": 1000, "compactChunkTokens": 8000, "compactRecentMessages": 4}})).await.unwrap();
+    assert_eq!(r.status, 201, "{r:?}");
+    let thread = r.body["thread"]["id"].as_str().unwrap().to_owned();
+    let is_summary = |r: &serde_json::Value| r["messages"][0]["content"].as_str().is_some_and(|t| t.starts_with("You compress the earlier part"));
+    let run = c.chat(&thread, &script(json!([{"text": "answered after the compaction"}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    // The second summary is being written: SIGTERM.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stack.mock.requests().await.unwrap().iter().filter(|r| is_summary(r)).count() < 2 {
+        assert!(Instant::now() < deadline, "the compaction did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stack.workers[0].signal(Sig::SIGTERM);
+    assert!(stack.workers[0].wait_exit(Duration::from_secs(30)), "the worker exited");
+    let at_exit = stack.mock.requests().await.unwrap().iter().filter(|r| is_summary(r)).count();
+    assert_eq!(at_exit, 2, "no summary call was started after the SIGTERM");
+    stack.add_worker(&[]).unwrap();
+    let done = c.wait_terminal(&run, Duration::from_secs(90)).await.unwrap();
+    assert_eq!(done["status"], "completed", "{done}");
+    let transcripts: Vec<String> = stack
+        .mock
+        .requests()
+        .await
+        .unwrap()
+        .iter()
+        .filter(|r| is_summary(r))
+        .map(|r| r["messages"][1]["content"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    let distinct: std::collections::HashSet<&String> = transcripts.iter().collect();
+    assert_eq!(distinct.len(), transcripts.len(), "a part was summarised twice ({} requests)", transcripts.len());
+    let db = stack.db.client().await.unwrap();
+    let snapshots: i64 = db.query_one("SELECT count(*) FROM context_snapshots WHERE thread_id = $1::text::uuid", &[&thread]).await.unwrap().get(0);
+    assert!(snapshots >= 2, "the partial compaction was kept, then completed: {snapshots} snapshots");
+}
+
 /// Another session holds one thread's row while two runs stream on the same worker: the other
 /// run's live answer keeps flowing (its `streaming` events keep arriving while the row is held),
 /// and both runs complete with one model call each. Before: the one flush of all the worker's

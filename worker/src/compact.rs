@@ -28,6 +28,9 @@ struct ModelSummarizer<'a> {
     progress: Mutex<Option<Progress>>,
     /// Progress events not journaled yet (written with the next commit).
     events: Mutex<Vec<JournalEvent>>,
+    /// The slice's control: an abort (a shutdown, a cancellation) starts no further summary
+    /// call, and a call dropped by it ends `Stopped`; the parts already paid for are kept.
+    control: crate::control::SliceControl,
 }
 
 impl Summarizer for ModelSummarizer<'_> {
@@ -48,16 +51,21 @@ impl Summarizer for ModelSummarizer<'_> {
                 max_tokens: Some((target_tokens * 2).clamp(256, 16_000) as u32),
                 temperature: None,
             };
-            let turn = self
-                .provider
-                .stream_chat(self.model, &request, &mut |_| {})
-                .await
-                .map_err(|e| CompactionError::Model(e.to_string()))?;
+            let mut ignore = |_| {};
+            let turn = tokio::select! {
+                turn = self.provider.stream_chat(self.model, &request, &mut ignore) => turn,
+                () = self.control.model_call_stopped() => return Err(CompactionError::Stopped),
+            }
+            .map_err(|e| CompactionError::Model(e.to_string()))?;
             if !turn.tool_calls.is_empty() {
                 return Err(CompactionError::EmptySummary);
             }
             Ok(turn.content)
         })
+    }
+
+    fn stopped(&self) -> bool {
+        self.control.reason().is_some()
     }
 }
 
@@ -80,17 +88,17 @@ async fn run_compaction(
         run_id: slice.lease.run_id,
         progress: Mutex::new(None),
         events: Mutex::new(Vec::new()),
+        control: slice.control.clone(),
     };
     let slot = &summarizer.progress;
     let mut on_progress = |p: Progress| *slot.lock().expect("progress lock") = Some(p);
-    let control = slice.control.clone();
-    let result = tokio::select! {
-        result = compaction::compact(context, settings, &summarizer, &mut on_progress) => result,
-        _ = control.model_call_stopped() => return Err(SliceError::Aborted),
-    };
+    // Not raced against the slice's abort as a whole: a stop ends the summarising early, and
+    // the parts already paid for come back as a partial compaction to be committed.
+    let result = compaction::compact(context, settings, &summarizer, &mut on_progress).await;
     let events = std::mem::take(&mut *summarizer.events.lock().expect("events lock"));
     match result {
         Ok(compacted) => Ok((compacted, events)),
+        Err(CompactionError::Stopped) => Err(SliceError::Aborted),
         Err(e) => {
             if !events.is_empty() {
                 slice.commit(Commit { events, ..Commit::default() }).await?;
