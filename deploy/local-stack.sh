@@ -93,14 +93,15 @@ stop_orphans() {
     for f in "$RUN_DIR"/child/*.pid; do
         [[ -e $f ]] || continue
         if pid="$(pidfile_alive "$f")"; then
-            stop_pid "$pid" "$(basename "$f" .pid)" 25
+            stop_pid "$pid" "$(basename "$f" .pid)" 80
         fi
         rm -f "$f"
     done
 }
 
 # Stops the given pid files' processes together: SIGTERM to all, then wait (SIGKILL after the
-# timeout). Workers get 25 s to finish their slice, as systemd/k8s would give them 20 s.
+# timeout). Workers get 80 s, as systemd/k8s give them: a tool call with external effects in
+# flight is waited for up to WORKER_EFFECT_DRAIN_MS (65 s); otherwise they exit within ~10 s.
 stop_pidfiles() {
     local timeout=$1 f pid name pids=() names=() files=() i
     shift
@@ -135,7 +136,7 @@ stop_stack_processes() {
         [[ -e $f ]] && workers+=("$f")
     done
     if ((${#workers[@]})); then
-        stop_pidfiles 25 "${workers[@]}"
+        stop_pidfiles 80 "${workers[@]}"
     fi
     stop_pidfiles 15 "$RUN_DIR/api.pid"
     stop_orphans
@@ -153,7 +154,7 @@ on_stack_exit() {
         [[ $name == worker-* ]] && workers+=("$RUN_DIR/$name.pid")
     done
     if ((${#workers[@]})); then
-        stop_pidfiles 25 "${workers[@]}"
+        stop_pidfiles 80 "${workers[@]}"
     fi
     stop_pidfiles 15 "$RUN_DIR/api.pid"
     stop_orphans

@@ -431,6 +431,42 @@ async fn tools_cancel_or_delete_during_an_effect_ends_the_run_with_its_outcome_u
     assert_eq!(active, 0, "no run is left holding an active-run slot");
 }
 
+/// A blocked call the user resolves `retry` after the operator denied its tool is not sent
+/// again, and its result says its outcome is unknown (the first attempt reached the tool) —
+/// never "it was not run" (verification of probe E).
+#[tokio::test]
+async fn tools_a_retry_of_a_denied_tool_is_not_sent_and_stays_unknown() {
+    let lease = [("AGENTLOOP_TEST_TOOLS", "1"), ("WORKER_LEASE_MS", "3000"), ("WORKER_RENEW_MS", "1000")];
+    let mut stack = start("retry_denied", json!({}), &lease).await;
+    let c = stack.client();
+    let db = stack.db.client().await.unwrap();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "pay", "seconds": 30}}]}, {"text": "after: {{tool_result}}"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + T;
+    while db.query_one("SELECT count(*) FROM agentloop_test_effects", &[]).await.unwrap().get::<_, i64>(0) == 0 {
+        assert!(Instant::now() < deadline, "the effect did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stack.workers[0].signal(Sig::SIGKILL);
+    let deny = tools_env("retry_denied_policy", json!({"tools": {"record_effect": {"policy": "deny"}}}), &[]);
+    let file = deny[0].1.clone();
+    stack.add_worker(&[("TOOLS_FILE", file.as_str())]).unwrap();
+    wait_status(&c, &run_id, "blocked").await;
+    let ops = c.get(&format!("/api/runs/{run_id}/operations")).await.unwrap().body;
+    assert_eq!(ops["operations"][0]["status"], "uncertain", "{ops}");
+    let key = ops["operations"][0]["key"].as_str().unwrap().to_owned();
+    let r = c.post(&format!("/api/runs/{run_id}/operations/{key}/resolve"), json!({"outcome": "retry"})).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let effects: i64 = db.query_one("SELECT count(*) FROM agentloop_test_effects", &[]).await.unwrap().get(0);
+    assert_eq!(effects, 1, "not sent again");
+    let result = messages(&c, &thread).await.into_iter().find(|m| m["role"] == "tool").unwrap();
+    let text = result["content"].as_str().unwrap();
+    assert!(text.starts_with("[outcome unknown") && !text.contains("it was not run"), "{text}");
+}
+
 /// SPEC §7/§12: at most 64 operation rows are kept per run (the oldest finished ones go).
 #[tokio::test]
 async fn tools_the_ledger_keeps_at_most_64_operations_per_run() {

@@ -113,6 +113,20 @@ fn denied(name: &str) -> String {
     format!("Tool `{name}` is not allowed by the operator's policy (deny); it was not run.")
 }
 
+/// The result of a call its tool's `deny` policy stops: "not run", unless its operation (`key`)
+/// was sent before — a `retry` resolve of an uncertain call — when it may have taken effect and
+/// its outcome is unknown (verification of probe E: it said "it was not run").
+fn denied_result(call: &ToolCallRef, operations: &[Operation], key: &str) -> String {
+    if operations.iter().any(|o| o.key == key && o.dispatches > 0) {
+        format!(
+            "[outcome unknown: this call may have taken effect; it was not sent again because the operator's policy now denies `{}`]",
+            call.name
+        )
+    } else {
+        denied(&call.name)
+    }
+}
+
 fn result_for(call: &ToolCallRef, text: String) -> NewMessage {
     let mut message = NewMessage::text(role::TOOL, text);
     message.tool_call_id = Some(call.id.clone());
@@ -200,7 +214,10 @@ pub async fn run_batch(
                 results.push(result_for(call, approvals::declined_result(reason)));
             }
             None => match tools.policy(&call.name) {
-                Policy::Deny => results.push(result_for(call, denied(&call.name))),
+                Policy::Deny => {
+                    let key = operations::key(slice.lease.run_id, &call.id);
+                    results.push(result_for(call, denied_result(call, operations, &key)));
+                }
                 Policy::Ask if !interactive => results.push(result_for(call, no_owner(&call.name))),
                 Policy::Ask => match tools.prepare(&call.name, &call.arguments).await {
                     Ok((tool, arguments)) => {
@@ -288,7 +305,7 @@ async fn execute(
     let denied_now = matches!(tools.policy(&call.name), Policy::Deny);
     if tools.is_idempotent(&call.name) {
         if denied_now {
-            results.push(result_for(call, denied(&call.name)));
+            results.push(result_for(call, denied_result(call, operations, &key)));
             return Ok(None);
         }
         let span = tool_span(call);
@@ -319,7 +336,7 @@ async fn execute(
             return Ok(Some(SliceEnd::Blocked));
         }
         _ if denied_now => {
-            results.push(result_for(call, denied(&call.name)));
+            results.push(result_for(call, denied_result(call, operations, &key)));
             return Ok(None);
         }
         _ => {}

@@ -289,6 +289,8 @@ async fn migrate(database_url: &str, limit: usize) -> Result<Vec<String>, DbErro
     // INDEX CONCURRENTLY` of the migrator holding the lock waits for — a deadlock (acceptance
     // probe E's concurrent migrators). Every statement after it runs under
     // MIGRATION_LOCK_TIMEOUT.
+    let mut waited_since: Option<std::time::Instant> = None;
+    let mut next_note = Duration::from_secs(1);
     loop {
         let Locked { locked } = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS locked")
             .bind::<diesel::sql_types::BigInt, _>(MIGRATION_LOCK_KEY)
@@ -296,6 +298,10 @@ async fn migrate(database_url: &str, limit: usize) -> Result<Vec<String>, DbErro
             .await?;
         if locked {
             break;
+        }
+        if waited_since.get_or_insert_with(std::time::Instant::now).elapsed() >= next_note {
+            tracing::info!(waited_ms = next_note.as_millis() as u64, "waiting for another process's migrations to finish (advisory lock)");
+            next_note *= 2;
         }
         tokio::time::sleep(Duration::from_millis(200 + rand::random_range(0..100))).await;
     }
