@@ -114,6 +114,10 @@ async fn retention_bounds_every_table_and_spares_live_data() {
         if running >= 1.0 && journal >= 1.0 && text.contains("agentloop_notification_queue_usage_ratio") && listener == 1.0 {
             assert!(tokens >= 0.0);
             assert!(text.contains("agentloop_claim_duration_seconds_bucket"), "claim latency is a histogram");
+            // What the worker runs with, for AgentloopWorkersDisagree: its tools' fingerprint
+            // and its models.
+            let info = text.lines().find(|l| l.starts_with("agentloop_worker_config_info{")).unwrap_or_else(|| panic!("no config info:\n{text}"));
+            assert!(info.contains("models=\"mock\"") && info.contains("tools=\"") && info.ends_with(" 1"), "{info}");
             break;
         }
         assert!(Instant::now() < deadline, "worker metrics missing figures:\n{text}");

@@ -81,9 +81,22 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         max_sleep_seconds: config.max_sleep_seconds,
         ..BuiltinToolConfig::default()
     });
+    let mut tools_source = String::from("builtin");
     if let Some(path) = &config.tools_file {
         registry.configure(&ToolsConfig::load(path).context("loading TOOLS_FILE")?);
+        tools_source = std::fs::read_to_string(path).context("reading TOOLS_FILE")?;
     }
+    if config.test_tools {
+        tools_source.push_str("\n+test tools");
+    }
+    // The fleet must agree on its tools (a call's policy is the executing worker's) and models:
+    // each worker publishes what it runs with, and an alert fires when workers differ
+    // (AgentloopWorkersDisagree; acceptance probe E: a worker with a laxer tools file ran a
+    // payment without approval).
+    let tools_fingerprint = agentloop_shared::tools::mcp::fingerprint(&tools_source)[..12].to_owned();
+    let models = catalog.models.iter().map(|m| m.id.as_str()).collect::<Vec<_>>().join(",");
+    tracing::info!(tools.fingerprint = %tools_fingerprint, %models, "worker configuration");
+    metrics::gauge!("agentloop_worker_config_info", "tools" => tools_fingerprint, "models" => models).set(1.0);
     if config.test_tools {
         tracing::warn!("AGENTLOOP_TEST_TOOLS is on: the test tools record_effect and crash_slice are offered");
         crate::test_tools::RecordEffect::install(&maintenance_pool).await;
