@@ -372,6 +372,30 @@ async fn a_frozen_network_path_past_the_lease_keeps_the_paid_answer() {
     assert_eq!(stack.mock.requests().await.unwrap().len(), 1, "the answer was paid once: {done}");
 }
 
+/// A thread of four answers (each starting `answer <i> <marker>`) whose next turn compacts:
+/// `compactThreshold` tokens, the last two messages kept.
+async fn thread_to_compact(c: &agentloop_tests::Client, marker: &str, threshold: u32) -> String {
+    let thread = c.create_thread().await.unwrap();
+    for i in 0..4 {
+        let run = c.chat(&thread, &script(json!([{"text": format!("answer {i} {marker}{}", "filler ".repeat(60))}]))).await.unwrap();
+        c.wait_terminal(run["run"]["id"].as_str().unwrap(), Duration::from_secs(30)).await.unwrap();
+    }
+    let metadata = json!({"metadata": {"compactThreshold": threshold, "compactRecentMessages": 2}});
+    let r = c.send(reqwest::Method::PATCH, &format!("/api/threads/{thread}"), Some(metadata), &[]).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    thread
+}
+
+/// A summarisation request to the mock model (its system prompt is agentloop's summary prompt).
+fn is_summary(request: &serde_json::Value) -> bool {
+    request["messages"][0]["content"].as_str().is_some_and(|t| t.starts_with("You compress the earlier part"))
+}
+
+/// Summarisation requests among `requests`.
+fn summaries(requests: Vec<serde_json::Value>) -> usize {
+    requests.iter().filter(|r| is_summary(r)).count()
+}
+
 /// A compaction summary is paid work too (one or more model calls): its checkpoint, which
 /// carries no message, is held like an answer's. Every connection that sends the summary's
 /// checkpoint freezes for two leases while the renewals go through; once the path thaws the
@@ -384,18 +408,7 @@ async fn a_compaction_summary_whose_checkpoint_freezes_past_the_lease_is_kept() 
     let stack = Stack::start("frozen_summary_hold", short_leases(true)).await.unwrap();
     let proxy = stack.proxy.as_ref().unwrap();
     let c = stack.client();
-    let thread = c.create_thread().await.unwrap();
-    for i in 0..4 {
-        let run = c.chat(&thread, &script(json!([{"text": format!("answer {i} {}", "filler ".repeat(60))}]))).await.unwrap();
-        c.wait_terminal(run["run"]["id"].as_str().unwrap(), Duration::from_secs(30)).await.unwrap();
-    }
-    let r = c
-        .send(reqwest::Method::PATCH, &format!("/api/threads/{thread}"), Some(json!({"metadata": {"compactThreshold": 200, "compactRecentMessages": 2}})), &[])
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200, "{r:?}");
-    let is_summary = |r: &serde_json::Value| r["messages"][0]["content"].as_str().is_some_and(|t| t.starts_with("You compress the earlier part"));
-    let summaries = |requests: Vec<serde_json::Value>| requests.iter().filter(|r| is_summary(r)).count();
+    let thread = thread_to_compact(&c, "", 200).await;
     // Pooled connections are replaced; every new one freezes when it sends a summary checkpoint.
     proxy.cut_all();
     proxy.freeze_new(FreezeAt::ClientSends(b"\"snapshot\":{".to_vec()));
@@ -428,18 +441,7 @@ async fn a_summary_that_arrives_during_an_outage_is_kept() {
     let stack = Stack::start("outage_during_summary", short_leases(true)).await.unwrap();
     let proxy = stack.proxy.as_ref().unwrap();
     let c = stack.client();
-    let thread = c.create_thread().await.unwrap();
-    for i in 0..4 {
-        let run = c.chat(&thread, &script(json!([{"text": format!("answer {i} MOCK_SUMMARY_SLOW {}", "filler ".repeat(60))}]))).await.unwrap();
-        c.wait_terminal(run["run"]["id"].as_str().unwrap(), Duration::from_secs(30)).await.unwrap();
-    }
-    let r = c
-        .send(reqwest::Method::PATCH, &format!("/api/threads/{thread}"), Some(json!({"metadata": {"compactThreshold": 800, "compactRecentMessages": 2}})), &[])
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200, "{r:?}");
-    let is_summary = |r: &serde_json::Value| r["messages"][0]["content"].as_str().is_some_and(|t| t.starts_with("You compress the earlier part"));
-    let summaries = |requests: Vec<serde_json::Value>| requests.iter().filter(|r| is_summary(r)).count();
+    let thread = thread_to_compact(&c, "MOCK_SUMMARY_SLOW ", 800).await;
     let run = c.chat(&thread, &script(json!([{"text": "the turn after the summary"}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
     wait_model_request(&stack, is_summary).await;
     // The summary takes 2 s: the path freezes under it, for two leases.
@@ -471,17 +473,16 @@ async fn a_shutdown_during_a_long_compaction_keeps_the_parts_already_summarised(
     let r = c.post("/api/threads/import", json!({"messages": messages, "metadata": {"compactThreshold": 1000, "compactChunkTokens": 8000, "compactRecentMessages": 4}})).await.unwrap();
     assert_eq!(r.status, 201, "{r:?}");
     let thread = r.body["thread"]["id"].as_str().unwrap().to_owned();
-    let is_summary = |r: &serde_json::Value| r["messages"][0]["content"].as_str().is_some_and(|t| t.starts_with("You compress the earlier part"));
     let run = c.chat(&thread, &script(json!([{"text": "answered after the compaction"}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
     // The second summary is being written: SIGTERM.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while stack.mock.requests().await.unwrap().iter().filter(|r| is_summary(r)).count() < 2 {
+    while summaries(stack.mock.requests().await.unwrap()) < 2 {
         assert!(Instant::now() < deadline, "the compaction did not start");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     stack.workers[0].signal(Sig::SIGTERM);
     assert!(stack.workers[0].wait_exit(Duration::from_secs(30)), "the worker exited");
-    let at_exit = stack.mock.requests().await.unwrap().iter().filter(|r| is_summary(r)).count();
+    let at_exit = summaries(stack.mock.requests().await.unwrap());
     assert_eq!(at_exit, 2, "no summary call was started after the SIGTERM");
     stack.add_worker(&[]).unwrap();
     let done = c.wait_terminal(&run, Duration::from_secs(90)).await.unwrap();
