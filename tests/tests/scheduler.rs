@@ -625,3 +625,40 @@ async fn a_worker_claims_only_runs_of_the_models_it_serves() {
     let done = c.wait_terminal(&run_id, Duration::from_secs(30)).await.unwrap();
     assert_eq!((done["status"].as_str(), done["attempts"].as_i64()), (Some("completed"), Some(1)), "{done}");
 }
+
+/// Fair claims (migration 000034): a principal with a queue of slow runs does not hold every
+/// worker slot while another principal's turn waits. Before, runs were claimed oldest first
+/// whoever sent them, and B's one turn waited for all six of A's (acceptance probe E).
+#[tokio::test]
+async fn a_principal_with_many_queued_runs_does_not_hold_every_slot() {
+    let mut stack = Stack::start("fair_claims", StackOptions { workers: 0, ..Default::default() }).await.unwrap();
+    let a = stack.client();
+    let b = stack.client_for("tenant-b").unwrap();
+    let mut a_runs = Vec::new();
+    for i in 0..6 {
+        let thread = a.create_thread().await.unwrap();
+        let run = a.chat(&thread, &script(json!([{"text": format!("a{i}"), "delayMs": 1500}]))).await.unwrap();
+        a_runs.push(run["run"]["id"].as_str().unwrap().to_owned());
+    }
+    let thread = b.create_thread().await.unwrap();
+    let b_run = b.chat(&thread, &script(json!([{"text": "b", "delayMs": 1500}]))).await.unwrap();
+    let b_run = b_run["run"]["id"].as_str().unwrap().to_owned();
+    // Everything is queued before the only worker, with two slots, starts.
+    stack.add_worker(&[("WORKER_CONCURRENCY", "2")]).unwrap();
+    let b_done = b.wait_terminal(&b_run, Duration::from_secs(60)).await.unwrap();
+    assert_eq!(b_done["status"], "completed", "{b_done}");
+    let mut a_done = Vec::new();
+    for run in &a_runs {
+        let run = a.wait_terminal(run, Duration::from_secs(60)).await.unwrap();
+        assert_eq!(run["status"], "completed", "{run}");
+        a_done.push((ts(&run["startedAt"]), ts(&run["finishedAt"])));
+    }
+    let first_a_finish = a_done.iter().map(|r| r.1).min().unwrap();
+    assert!(
+        ts(&b_done["startedAt"]) < first_a_finish,
+        "B's turn started {} but A's first run finished {first_a_finish}: B waited behind A's queue ({a_done:?})",
+        b_done["startedAt"]
+    );
+    // Within one principal, still oldest first: A's oldest run took the other slot.
+    assert!(a_done[0].0 < first_a_finish, "A's oldest run did not start first: {a_done:?}");
+}
