@@ -12,7 +12,7 @@
 //!    `server_busy`), which it holds until its route has answered; it is read within
 //!    `API_BODY_TIMEOUT_MS` (else 408 `body_timeout`) and `API_MAX_BODY_BYTES` (`IMPORT_MAX_BYTES`
 //!    for `POST /api/threads/import`; else 413 `payload_too_large`), parsed
-//!    (400 `invalid_json`; a number beyond f64 is 400 `invalid_number`), and every NUL in a
+//!    (400 `invalid_json`; a number beyond f64, or one it would round, is 400 `invalid_number`), and every NUL in a
 //!    string or member name replaced by U+FFFD (PostgreSQL text cannot store NUL; the same rule
 //!    as `agentloop_shared::text`) — so every route sees only clean JSON;
 //! 5. after the route: every error response without a JSON body (actix's own 404/405/413/...)
@@ -98,6 +98,15 @@ pub fn check_json_body(bytes: &[u8]) -> Result<Option<Vec<u8>>, ApiError> {
     };
     // Syntax and number ranges without building a tree (bodies may be a MiB).
     serde_json::from_slice::<Checked>(bytes).map_err(refusal)?;
+    // A number serde_json would round (more digits than i64/u64/f64 hold): a tool's edited
+    // arguments, a setting or metadata would be stored as a value the client never sent.
+    if let Some(number) = std::str::from_utf8(bytes).ok().and_then(agentloop_shared::text::inexact_number) {
+        let shown: String = number.chars().take(80).collect();
+        return Err(ApiError::bad_request(
+            "invalid_number",
+            format!("the number {shown} has more digits than a 64-bit integer or float holds exactly; send it as a string"),
+        ));
+    }
     // A NUL can only be written `\u0000` in JSON text; only then is the body rebuilt.
     if !bytes.windows(6).any(|w| w[0] == b'\\' && w[1] == b'u' && w[2..].iter().all(|&b| b == b'0')) {
         return Ok(None);
@@ -451,6 +460,10 @@ mod tests {
         let code = |body: &[u8]| check_json_body(body).unwrap_err().code().to_owned();
         assert_eq!(code(br#"{"n": 1e400}"#), "invalid_number");
         assert_eq!(code(br#"{"n": -1.8e308}"#), "invalid_number");
+        // Numbers serde_json would round are refused; ones that differ only in spelling pass.
+        assert_eq!(code(br#"{"args": {"amount": 12345678901234567.89}}"#), "invalid_number");
+        assert_eq!(code(br#"{"n": 123456789012345678901234}"#), "invalid_number");
+        assert!(check_json_body(br#"{"n": [1.10, 1E2, -0, 0.1, 18446744073709551615, "12345678901234567.89"]}"#).is_ok());
         assert_eq!(code(br#"{"n": NaN}"#), "invalid_json");
         assert_eq!(code(b"{"), "invalid_json");
     }

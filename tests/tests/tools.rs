@@ -127,6 +127,11 @@ async fn tools_approve_with_edited_arguments_is_validated_and_recorded() {
         assert_eq!(r.status, 400, "{bad}: {r:?}");
         assert_eq!(r.body["error"]["code"], "invalid_arguments");
     }
+    // A number the tool would receive rounded, in arguments sent as JSON text (as a JSON
+    // number in the body it is refused before any route: 400 `invalid_number`).
+    let r = c.post(&url, json!({"arguments": "{\"expression\": 12345678901234567.89}"})).await.unwrap();
+    assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_arguments")), "{r:?}");
+    assert!(r.body["error"]["message"].as_str().unwrap().contains("12345678901234567.89"), "{r:?}");
     assert_eq!(pending(&c, &thread).await.len(), 1, "an invalid edit decides nothing");
     let r = c.post(&url, json!({"arguments": "{\"expression\": \"2*3\"}"})).await.unwrap();
     assert_eq!(r.status, 200, "{r:?}");

@@ -29,6 +29,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
+use crate::text::inexact_number;
+
 pub use builtin::{BuiltinToolConfig, Calculator, CurrentTime, Sleep};
 pub use config::{Policy, ToolsConfig};
 
@@ -400,77 +402,6 @@ fn parse_arguments(raw: &str) -> Result<Map<String, Value>, String> {
     }
 }
 
-/// The first number of the JSON text `raw` (valid JSON) that would not reach a tool as written:
-/// an integer beyond 64 bits or a decimal with more digits than a 64-bit float holds
-/// (`12345678901234567890123`, `0.12345678901234567891`). Arguments are parsed into
-/// `serde_json::Value`, which keeps only `i64`, `u64` and `f64`; such a number would be rounded
-/// and the tool would act on a value the model never sent (acceptance probe: an `amount`
-/// changed in flight is the same class as arguments joined from the wrong pieces). Numbers that
-/// differ only in spelling (`1.10`, `1E2`, `-0`) are exact and pass.
-fn inexact_number(raw: &str) -> Option<&str> {
-    let bytes = raw.as_bytes();
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'"' => {
-                i += 1;
-                while i < bytes.len() && bytes[i] != b'"' {
-                    i += if bytes[i] == b'\\' { 2 } else { 1 };
-                }
-                i += 1;
-            }
-            b'-' | b'0'..=b'9' => {
-                let start = i;
-                while i < bytes.len() && matches!(bytes[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') {
-                    i += 1;
-                }
-                let token = &raw[start..i];
-                if !number_is_exact(token) {
-                    return Some(token);
-                }
-            }
-            _ => i += 1,
-        }
-    }
-    None
-}
-
-/// True if the JSON number `token` survives `serde_json::Value` unchanged in value.
-fn number_is_exact(token: &str) -> bool {
-    let integer = !token.contains(['.', 'e', 'E']);
-    if integer && (token.parse::<i64>().is_ok() || token.parse::<u64>().is_ok()) {
-        return true;
-    }
-    // Parsed as serde_json parses it, then written back in its shortest exact form.
-    match serde_json::from_str::<f64>(token) {
-        Ok(float) if float.is_finite() => decimal(token) == decimal(&format!("{float:e}")),
-        _ => false,
-    }
-}
-
-/// A decimal number's value as `(negative, digits, exponent)` with `value = 0.digits x
-/// 10^exponent`, without leading or trailing zeros in `digits` (zero is `(_, "", 0)`); `None`
-/// for an exponent too large to hold.
-fn decimal(number: &str) -> Option<(bool, String, i64)> {
-    let (negative, unsigned) = match number.strip_prefix('-') {
-        Some(rest) => (true, rest),
-        None => (false, number),
-    };
-    let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
-        Some((m, e)) => (m, e.trim_start_matches('+').parse::<i64>().ok()?),
-        None => (unsigned, 0),
-    };
-    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let digits = format!("{whole}{fraction}");
-    let leading = digits.len() - digits.trim_start_matches('0').len();
-    let digits = digits.trim_start_matches('0').trim_end_matches('0');
-    if digits.is_empty() {
-        return Some((false, String::new(), 0));
-    }
-    let exponent = (whole.len() as i64 - leading as i64).checked_add(exponent)?;
-    Some((negative, digits.to_owned(), exponent))
-}
-
 /// Enforces the schema's `required` list and `properties.*.type` (a name or a list of names);
 /// a `null` value counts as absent. Whole floats in `integer` fields become integers (`2.0`
 /// -> `2`), so tools can read them with `as_u64`/`as_i64`.
@@ -540,6 +471,7 @@ fn truncate_middle(text: String, max_bytes: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::text::number_is_exact;
 
     /// Edited or model-written arguments are held to the whole schema, not only `required` and
     /// `type` (an acceptance test sent an extra field past `additionalProperties: false`).
