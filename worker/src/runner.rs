@@ -83,8 +83,9 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     });
     let mut tools_source = String::from("builtin");
     if let Some(path) = &config.tools_file {
-        registry.configure(&ToolsConfig::load(path).context("loading TOOLS_FILE")?);
-        tools_source = std::fs::read_to_string(path).context("reading TOOLS_FILE")?;
+        let (tools, text) = ToolsConfig::load_with_text(path).context("loading TOOLS_FILE")?;
+        registry.configure(&tools);
+        tools_source = text;
     }
     if config.test_tools {
         tools_source.push_str("\n+test tools");

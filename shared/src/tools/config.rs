@@ -262,11 +262,18 @@ pub enum ToolsConfigError {
 impl ToolsConfig {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<Self, ToolsConfigError> {
+        Self::load_with_text(path).map(|(config, _)| config)
+    }
+
+    /// Reads and validates `path`; also returns the text it was read from, so what a worker
+    /// publishes about its configuration (its fingerprint) is of the very bytes it runs with,
+    /// not of a second read of a file that may have changed in between.
+    pub fn load_with_text(path: &Path) -> Result<(Self, String), ToolsConfigError> {
         let display = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| ToolsConfigError::Read { path: display.clone(), source })?;
         let config: Self = serde_json::from_str(&text).map_err(|source| ToolsConfigError::Parse { path: display, source })?;
         config.validate()?;
-        Ok(config)
+        Ok((config, text))
     }
 
     /// Checks names and transport fields.
