@@ -372,6 +372,26 @@ async fn openai_an_effect_is_never_resent_nor_forgotten() {
     assert_eq!(status, "completed");
     assert_eq!(effects("done").await, 1);
     wait_no_hidden(&stack, Duration::from_secs(10)).await;
+
+    // A request answered after its effect is kept too: the api cannot know that the client got
+    // the answer (acceptance probe F: clients that closed just before it was written lost
+    // the answer and the record of their payment with it).
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "answered"}}]}, {"text": "paid once"}]);
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
+    let r = http.post(&url).bearer_auth(&stack.key).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["choices"][0]["message"]["content"], "paid once");
+    wait_no_hidden(&stack, Duration::from_secs(10)).await;
+    let row = db
+        .query_opt(
+            "SELECT t.title FROM threads t JOIN operations o ON o.thread_id = t.id
+              WHERE o.arguments ->> 'label' = 'answered' AND t.metadata ->> 'openaiRequest' = 'true'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let title: String = row.expect("the answered request's record of its effect was deleted").get(0);
+    assert_eq!(title, "OpenAI request whose tool calls took effect");
 }
 
 /// The api process dies mid-stream: its request leases expire and the workers' sweep cancels the
