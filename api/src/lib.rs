@@ -376,7 +376,7 @@ impl Application {
         });
         let app_state = state.clone();
         tokio::spawn(limits::revocation_loop(state.clone(), h.revocation_check, shutdown.clone()));
-        let hidden = routes::openai::hidden::HiddenRequests::new(state.store.clone(), state.pool.clone(), config.openai_request_lease);
+        let hidden = routes::openai::hidden::HiddenRequests::new(state.store.clone(), state.pool.clone(), state.hub.clone(), config.openai_request_lease);
         tokio::spawn(hidden.clone().keeper(shutdown.clone()));
         let hidden = web::Data::from(hidden);
         let mcp = web::Data::new(mcp::service(state.clone(), config.max_body_bytes));

@@ -242,7 +242,15 @@ impl Modify for Protocols {
         let op = OperationBuilder::new()
             .operation_id(Some("chat_completions"))
             .tag("openai")
-            .summary(Some("OpenAI-compatible chat completion through the durable loop (stream, client-side tools)"))
+            .summary(Some("OpenAI-compatible chat completion through the durable loop (stream, client-side tools, `Idempotency-Key`)"))
+            .parameter(
+                ParameterBuilder::new()
+                    .name("Idempotency-Key")
+                    .parameter_in(ParameterIn::Header)
+                    .required(Required::False)
+                    .description(Some("A resend with the same key attaches to the request's run in flight or gets its recorded outcome (`Idempotent-Replayed: true`)"))
+                    .schema(Some(utoipa::openapi::schema::ObjectBuilder::new().schema_type(utoipa::openapi::schema::Type::String))),
+            )
             .request_body(Some(
                 RequestBodyBuilder::new().required(Some(Required::True)).content("application/json", json("ChatCompletionRequest")).build(),
             ))
@@ -260,8 +268,9 @@ impl Modify for Protocols {
             &[
                 ("400", "Invalid messages, tools or n (`param` names the field)"),
                 ("404", "Unknown model (`model_not_found`)"),
+                ("409", "The Idempotency-Key was used with another request (`idempotency_conflict`)"),
                 ("413", "Request body too large"),
-                ("502", "The run failed (its error code)"),
+                ("502", "The run failed (its error code), or the request first sent with this key was interrupted after its tool calls took effect (`request_interrupted`)"),
                 ("504", "The run did not finish in time"),
             ],
             "OpenAiError",

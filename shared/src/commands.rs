@@ -262,10 +262,21 @@ pub async fn import_thread(store: &Store, arg: &Value) -> Result<Value, StoreErr
     store.call("agentloop_import", arg, replay, None).await
 }
 
+/// The idempotency key of a `/v1` request: the receipt's command id (`v1:<Idempotency-Key>`)
+/// and the request's fingerprint ([`crate::receipts::fingerprint`]).
+pub struct OpenAiKey<'a> {
+    pub command_id: &'a str,
+    pub fingerprint: &'a str,
+}
+
 /// The OpenAI endpoint's hidden thread (`agentloop_openai_start`): `messages` (step-function
 /// messages), a one-slice run, `client_tools` (OpenAI function specs the worker offers and
 /// returns to the caller instead of running) and the request's lease row held by `holder` for
-/// `lease_ms`. Returns `{threadId, run}`.
+/// `lease_ms`. Returns `{threadId, run, attachment}`. With `key` (migration 000036): a resend of
+/// a request in flight attaches to it (`attached: true`, the next `attachment`), one that ended
+/// returns `{replay: {status, body}}`, one whose api died after an effect
+/// `{interrupted: {threadId, runId}}`; 409 `idempotency_conflict` for another body. Safe to
+/// resend after an unknown outcome only with a key.
 pub async fn openai_start(
     store: &Store,
     principal: Uuid,
@@ -274,10 +285,19 @@ pub async fn openai_start(
     client_tools: &[Value],
     holder: &str,
     lease_ms: u64,
+    key: Option<OpenAiKey<'_>>,
 ) -> Result<Value, StoreError> {
-    let arg = json!({"principalId": principal, "model": model, "messages": messages, "clientTools": client_tools,
-                     "holder": holder, "leaseMs": lease_ms});
-    run_traced(store, "agentloop_openai_start", &arg, Replay::Unsafe).await
+    let mut arg = json!({"principalId": principal, "model": model, "messages": messages, "clientTools": client_tools,
+                         "holder": holder, "leaseMs": lease_ms});
+    let replay = match key {
+        Some(key) => {
+            arg["commandId"] = json!(key.command_id);
+            arg["fingerprint"] = json!(key.fingerprint);
+            Replay::Safe
+        }
+        None => Replay::Unsafe,
+    };
+    run_traced(store, "agentloop_openai_start", &arg, replay).await
 }
 
 /// Renews the leases of the open requests `threads` held by `holder` (one statement). Returns
@@ -294,8 +314,25 @@ pub async fn openai_renew(store: &Store, holder: &str, lease_ms: u64, threads: &
 /// `delivered`: whether the client got the run's answer (an error does not count: it does not
 /// tell what the tool calls did); a thread whose request ended without it after a tool call
 /// took effect is kept (migration 000029), as is one whose run left a call of unknown outcome.
-pub async fn openai_finish(store: &Store, principal: Uuid, thread_id: Uuid, delivered: bool) -> Result<bool, StoreError> {
-    let arg = json!({"principalId": principal, "threadId": thread_id, "delivered": delivered});
+///
+/// `attachment` (keyed requests, migration 000036): only the newest attachment of a request ends
+/// it (an older one's call does nothing and answers gone); `response` (`{status, body}`) is kept
+/// on the request's receipt for resends of its key.
+pub async fn openai_finish(
+    store: &Store,
+    principal: Uuid,
+    thread_id: Uuid,
+    delivered: bool,
+    attachment: Option<i64>,
+    response: Option<&Value>,
+) -> Result<bool, StoreError> {
+    let mut arg = json!({"principalId": principal, "threadId": thread_id, "delivered": delivered});
+    if let Some(attachment) = attachment {
+        arg["attachment"] = json!(attachment);
+    }
+    if let Some(response) = response {
+        arg["response"] = response.clone();
+    }
     let value = run(store, "agentloop_openai_finish", &arg, Replay::Safe).await?;
     Ok(value["gone"].as_bool() == Some(true))
 }

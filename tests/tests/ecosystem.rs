@@ -394,6 +394,82 @@ async fn openai_an_effect_is_never_resent_nor_forgotten() {
     assert_eq!(title, "OpenAI request whose tool calls took effect");
 }
 
+/// `Idempotency-Key` on `/v1/chat/completions` (migration 000036; acceptance probe F: the
+/// official SDK with a short timeout resent a request whose server tool was a payment, and each
+/// resend was a new run — three payments, the header accepted and ignored). A resend with the
+/// key attaches to the run in flight or gets its recorded outcome, streamed or not; the client
+/// going away does not cancel a keyed run; another body under the key is refused.
+#[tokio::test]
+async fn openai_idempotency_key_makes_resends_safe() {
+    let options = StackOptions { worker_env: vec![("AGENTLOOP_TEST_TOOLS".into(), "1".into())], ..Default::default() };
+    let stack = Stack::start("ecosystem_v1_key", options).await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", stack.api_url);
+    let effects = |label: &'static str| {
+        let db = &db;
+        async move { db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = $1", &[&label]).await.unwrap().get::<_, i64>(0) }
+    };
+    let post = |body: &Value, key: &str| http.post(&url).bearer_auth(&stack.key).header("Idempotency-Key", key).json(body);
+
+    // The SDK gives up after 1 s of a 3 s answer that follows a payment, and resends.
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "keyed"}}]}, {"text": "paid once", "delayMs": 3000}]);
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
+    let first = post(&body, "pay-1").timeout(Duration::from_secs(1)).send().await;
+    assert!(first.is_err(), "answered within the client's timeout: {first:?}");
+    let r = post(&body, "pay-1").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(answer["choices"][0]["message"]["content"], "paid once", "{answer}");
+    assert_eq!(effects("keyed").await, 1, "the resend ran the payment again");
+    let runs: i64 = db.query_one("SELECT count(*) FROM runs", &[]).await.unwrap().get(0);
+    assert_eq!(runs, 1, "the resend started another run");
+
+    // After the end: the recorded outcome, not run again; streamed when asked so.
+    let r = post(&body, "pay-1").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap()), Some("true"));
+    assert_eq!(r.json::<Value>().await.unwrap(), answer, "the replay differs from the answer");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    // The body differs (`stream`) but not the request: `stream` is not part of its fingerprint.
+    let text = post(&streamed, "pay-1").send().await.unwrap().text().await.unwrap();
+    assert!(text.contains(r#""content":"paid once""#) && text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert_eq!(effects("keyed").await, 1);
+    // Another request under the same key.
+    let other = json!({"model": "mock", "messages": [{"role": "user", "content": "something else"}]});
+    let r = post(&other, "pay-1").send().await.unwrap();
+    assert_eq!(r.status(), 409);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "idempotency_conflict");
+
+    // A streaming client that goes away mid-answer: the run goes on, and the resend streams the
+    // whole answer from its start.
+    let words: Vec<String> = (0..12).map(|i| format!("w{i}")).collect();
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "streamed"}}]}, {"text": words.join(" "), "chunkDelayMs": 200}]);
+    let body = json!({"model": "mock", "stream": true, "messages": [{"role": "user", "content": script(steps)}]});
+    let mut events = post(&body, "pay-2").send().await.unwrap().bytes_stream();
+    let mut seen = String::new();
+    while !seen.contains("w1") {
+        seen.push_str(&String::from_utf8_lossy(&events.next().await.unwrap().unwrap()));
+    }
+    drop(events);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let text = post(&body, "pay-2").send().await.unwrap().text().await.unwrap();
+    let content: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(content, words.join(" "), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert_eq!(effects("streamed").await, 1);
+    let runs: i64 = db.query_one("SELECT count(*) FROM runs", &[]).await.unwrap().get(0);
+    assert_eq!(runs, 2, "one run per key");
+    // Both requests paid: their threads are the records of the payments; nothing is left hidden.
+    wait_no_hidden(&stack, Duration::from_secs(10)).await;
+}
+
 /// The api process dies mid-stream: its request leases expire and the workers' sweep cancels the
 /// run and deletes the hidden thread.
 #[tokio::test]

@@ -16,7 +16,9 @@
 //! offered to the model next to the server's; a call of one ends the run and is returned as
 //! `tool_calls` with `finish_reason: "tool_calls"` (see `agentloop_worker::client_tools` for
 //! name clashes — the client's tool wins — and mixed turns). `stream: true` answers with
-//! `chat.completion.chunk` server-sent events ([`super::stream`]).
+//! `chat.completion.chunk` server-sent events ([`super::stream`]). An `Idempotency-Key` makes a
+//! resend attach to the request's run or get its recorded outcome ([`super::hidden`], migration
+//! 000036).
 
 use std::time::Duration;
 
@@ -31,9 +33,12 @@ use tokio::sync::mpsc;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::hidden::{HiddenRequest, HiddenRequests};
+use super::hidden::{HiddenRequests, Started};
 use super::V1Error;
 use crate::AppState;
+use crate::hub::Hub;
+use agentloop_shared::db::PgPool;
+use agentloop_shared::store::Store;
 use crate::extract::Authenticated;
 
 /// Longest wait for the run.
@@ -122,17 +127,37 @@ pub async fn chat_completions(
             .map(|m| m.id.clone())
             .ok_or_else(|| V1Error::bad_request("no_model", "model", "no model is configured on this server"))?,
     };
-    let (request, _) = hidden.clone().into_inner().start(who.0.id, &model, &history, &client_tools).await?;
-    let chunker = super::stream::Chunker {
-        id: format!("chatcmpl-{}", request.run_id.simple()),
-        created: chrono::Utc::now().timestamp(),
-        model: model.clone(),
-        include_usage: body.stream_options.and_then(|o| o.include_usage) == Some(true),
+    let include_usage = body.stream_options.as_ref().and_then(|o| o.include_usage) == Some(true);
+    let stream = body.stream == Some(true);
+    // A resend by an SDK (after its timeout or a dropped connection) with the same key attaches
+    // to the first request's run or gets its outcome (migration 000036).
+    let key = crate::extract::idempotency_key(&req)?.map(|key| {
+        let fingerprint = agentloop_shared::receipts::fingerprint(&json!({
+            "op": "v1.chat.completions", "model": model, "messages": body.messages, "tools": body.tools,
+        }));
+        (format!("v1:{key}"), fingerprint)
+    });
+    let key_ref = key.as_ref().map(|(command_id, fingerprint)| agentloop_shared::commands::OpenAiKey { command_id, fingerprint });
+    let request = match hidden.clone().into_inner().start(who.0.id, &model, &history, &client_tools, key_ref).await? {
+        Started::Open(request) => request,
+        Started::Replay(recorded) => return Ok(actix_web::Either::Left(replay(&req, &recorded, stream, include_usage))),
+        Started::Interrupted { thread_id, run_id } => {
+            return Ok(actix_web::Either::Left(final_error(&V1Error {
+                status: actix_web::http::StatusCode::BAD_GATEWAY,
+                code: "request_interrupted".into(),
+                message: format!(
+                    "the request first sent with this Idempotency-Key was interrupted (its server stopped) after its tool calls \
+                     took effect; it is not run again. Thread {thread_id} (run {run_id}) holds what happened"
+                ),
+                param: None,
+            })));
+        }
     };
+    let chunker = super::stream::Chunker::new(request.run_id, &request.model, include_usage);
     // A client that goes away ends its request at once: dropping the `HiddenRequest` cancels the
     // run and deletes the hidden thread (actix itself would wait for a failed write).
     let peer = crate::connection::PeerSocket::of(&req);
-    if body.stream == Some(true) {
+    if stream {
         let (tx, rx) = mpsc::channel::<sse::Event>(64);
         let pump = super::stream::pump(state.clone(), request, chunker, tx);
         actix_web::rt::spawn(async move {
@@ -152,7 +177,7 @@ pub async fn chat_completions(
         ));
     }
     let waited = tokio::select! {
-        waited = wait_for_end(&state, &request) => waited,
+        waited = wait_for_end(&state.pool, &state.store, &state.hub, request.principal, request.thread_id, request.run_id) => waited,
         () = crate::connection::client_gone(peer) => {
             drop(request);
             return Ok(actix_web::Either::Left(final_error(&V1Error {
@@ -163,27 +188,105 @@ pub async fn chat_completions(
             })));
         }
     };
-    let finished = match waited {
-        Ok(run) => run,
-        Err(e) => {
-            request.finish(false).await;
-            return Ok(actix_web::Either::Left(final_error(&e)));
+    let result = match waited {
+        Ok(finished) => ended(&state.pool, &chunker, request.thread_id, request.run_id, &finished).await,
+        Err(e) if request.keyed() && e.code != "timeout" => {
+            // The database failed while waiting: a keyed request's run goes on (detached), and a
+            // resend of the key attaches to it or gets its outcome.
+            drop(request);
+            return Ok(actix_web::Either::Left(e.error_response()));
         }
+        Err(e) => Err(e),
     };
-    let result = if finished.status == status::COMPLETED {
-        answer(&state, request.thread_id, request.run_id).await.map(|a| completion(&chunker, &a, &finished))
-    } else {
-        let mut error = run_error(&finished);
-        if error.code == "operation_uncertain" {
-            error.message = super::uncertain_message(&error.message, request.thread_id, request.run_id);
-        }
-        Err(error)
-    };
-    request.finish(result.is_ok()).await;
+    let response = request.keyed().then(|| recorded(&result));
+    request.finish(result.is_ok(), response).await;
     Ok(actix_web::Either::Left(match result {
         Ok(body) => HttpResponse::Ok().json(body),
         Err(e) => final_error(&e),
     }))
+}
+
+/// The answer of a run that ended: the `chat.completion` when it completed, else its error
+/// (502 with the run's code; an uncertain call's message names the kept thread).
+pub async fn ended(pool: &PgPool, chunker: &super::stream::Chunker, thread_id: Uuid, run_id: Uuid, finished: &Run) -> Result<Value, V1Error> {
+    if finished.status == status::COMPLETED {
+        let answer = answer(pool, thread_id, run_id).await?;
+        return Ok(completion(chunker, &answer, finished.prompt_tokens, finished.completion_tokens));
+    }
+    let mut error = run_error(finished);
+    if error.code == "operation_uncertain" {
+        error.message = super::uncertain_message(&error.message, thread_id, run_id);
+    }
+    Err(error)
+}
+
+/// A request's outcome as kept on its receipt for resends of its key: `{status, body}`.
+pub fn recorded(result: &Result<Value, V1Error>) -> Value {
+    match result {
+        Ok(body) => json!({"status": 200, "body": body}),
+        Err(e) => json!({"status": e.status.as_u16(), "body": e.body()}),
+    }
+}
+
+/// The answer to a resend of a keyed request that ended: its recorded outcome, as JSON or (for
+/// `stream: true`) as the chunks of that completion, with `Idempotent-Replayed: true`.
+fn replay(req: &actix_web::HttpRequest, recorded: &Value, stream: bool, include_usage: bool) -> HttpResponse {
+    let status = recorded["status"].as_u64().and_then(|s| actix_web::http::StatusCode::from_u16(s as u16).ok());
+    let status = status.unwrap_or(actix_web::http::StatusCode::BAD_GATEWAY);
+    let body = &recorded["body"];
+    if !stream {
+        let mut response = HttpResponse::build(status);
+        if !status.is_success() {
+            response.insert_header(("x-should-retry", "false"));
+        }
+        response.insert_header(("Idempotent-Replayed", "true")).json(body)
+    } else {
+        let mut events = Vec::new();
+        if status.is_success() {
+            let chunker = super::stream::Chunker {
+                id: body["id"].as_str().unwrap_or_default().to_owned(),
+                created: body["created"].as_i64().unwrap_or_default(),
+                model: body["model"].as_str().unwrap_or_default().to_owned(),
+                include_usage,
+            };
+            let message = &body["choices"][0]["message"];
+            events.push(chunker.chunk(json!({"role": "assistant", "content": ""}), None));
+            if let Some(text) = message["content"].as_str().filter(|t| !t.is_empty()) {
+                events.push(chunker.chunk(json!({"content": text}), None));
+            }
+            if let Some(calls) = message["tool_calls"].as_array() {
+                let calls: Vec<Value> = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| json!({"index": i, "id": c["id"], "type": "function", "function": c["function"]}))
+                    .collect();
+                events.push(chunker.chunk(json!({"tool_calls": calls}), None));
+            }
+            events.push(chunker.chunk(json!({}), body["choices"][0]["finish_reason"].as_str()));
+            if include_usage {
+                let usage = &body["usage"];
+                events.push(chunker.usage(usage["prompt_tokens"].as_i64().unwrap_or(0), usage["completion_tokens"].as_i64().unwrap_or(0)));
+            }
+            events.push(sse::Event::Data(sse::Data::new("[DONE]")));
+        } else {
+            let error = &body["error"];
+            events.push(super::stream::Chunker::error(
+                error["code"].as_str().unwrap_or("server_error"),
+                error["message"].as_str().unwrap_or_default(),
+            ));
+        }
+        let (tx, rx) = mpsc::channel::<sse::Event>(events.len().max(1));
+        for event in events {
+            let _ = tx.try_send(event);
+        }
+        drop(tx);
+        sse::Sse::from_infallible_receiver(rx)
+            .customize()
+            .insert_header(("Cache-Control", "no-cache, no-transform"))
+            .insert_header(("Idempotent-Replayed", "true"))
+            .respond_to(req)
+            .map_into_boxed_body()
+    }
 }
 
 /// The response of an error that happened after the request's run was created: the run may have
@@ -243,19 +346,19 @@ pub fn client_tools(tools: &[Value]) -> Result<Vec<Value>, V1Error> {
 
 /// Waits until the run ends. A run that waits for a human (an approval, an uncertain effect)
 /// cannot be resolved by a stateless caller: it is cancelled and reported with its error.
-async fn wait_for_end(state: &web::Data<AppState>, request: &HiddenRequest) -> Result<Run, V1Error> {
-    let mut wake = state.hub.subscribe(request.thread_id);
+pub async fn wait_for_end(pool: &PgPool, store: &Store, hub: &Hub, principal: Uuid, thread_id: Uuid, run_id: Uuid) -> Result<Run, V1Error> {
+    let mut wake = hub.subscribe(thread_id);
     let deadline = tokio::time::Instant::now() + MAX_WAIT;
     loop {
         wake.borrow_and_update();
-        let mut conn = state.pool.get().await?;
-        let mut current = runs::get(&mut conn, request.run_id).await?;
+        let mut conn = pool.get().await?;
+        let mut current = runs::get(&mut conn, run_id).await?;
         drop(conn);
         if matches!(current.status.as_str(), status::BLOCKED | status::WAITING_APPROVAL) {
             let error = (current.error_code.clone(), current.error_message.clone());
-            agentloop_shared::commands::openai_cancel(&state.store, request.principal, request.thread_id).await?;
-            let mut conn = state.pool.get().await?;
-            current = runs::get(&mut conn, request.run_id).await?;
+            agentloop_shared::commands::openai_cancel(store, principal, thread_id).await?;
+            let mut conn = pool.get().await?;
+            current = runs::get(&mut conn, run_id).await?;
             (current.error_code, current.error_message) = error;
             current.error_code.get_or_insert_with(|| "operation_uncertain".into());
         }
@@ -290,8 +393,8 @@ pub fn run_error(run: &Run) -> V1Error {
 }
 
 /// The assistant text of the run's messages (joined by a blank line) and its client calls.
-pub async fn answer(state: &web::Data<AppState>, thread_id: Uuid, run_id: Uuid) -> Result<Answer, V1Error> {
-    let mut conn = state.pool.get().await?;
+pub async fn answer(pool: &PgPool, thread_id: Uuid, run_id: Uuid) -> Result<Answer, V1Error> {
+    let mut conn = pool.get().await?;
     let rows = messages::active_after(&mut conn, thread_id, 0).await?;
     let mine: Vec<_> = rows.iter().filter(|m| m.run_id == Some(run_id) && m.role == role::ASSISTANT).collect();
     let content = mine.iter().map(|m| m.text()).filter(|t| !t.is_empty()).collect::<Vec<_>>().join("\n\n");
@@ -316,7 +419,7 @@ pub fn usage(run_prompt: i64, run_completion: i64) -> Value {
     json!({"prompt_tokens": run_prompt, "completion_tokens": run_completion, "total_tokens": run_prompt + run_completion})
 }
 
-fn completion(chunker: &super::stream::Chunker, answer: &Answer, run: &Run) -> Value {
+pub fn completion(chunker: &super::stream::Chunker, answer: &Answer, prompt_tokens: i64, completion_tokens: i64) -> Value {
     let calls = !answer.tool_calls.is_empty();
     let mut message = json!({
         "role": "assistant",
@@ -333,6 +436,6 @@ fn completion(chunker: &super::stream::Chunker, answer: &Answer, run: &Run) -> V
         "model": chunker.model,
         "system_fingerprint": null,
         "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": if calls { "tool_calls" } else { answer.cut.as_deref().unwrap_or("stop") }}],
-        "usage": usage(run.prompt_tokens, run.completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens),
     })
 }

@@ -13,12 +13,19 @@
 //!   its next safe point — and the thread is deleted as soon as the run has ended;
 //! - if this process dies, its leases expire and the workers' sweep (`HIDDEN_THREAD_SWEEP_MS`)
 //!   cancels the runs and deletes the threads.
+//!
+//! A request sent with an `Idempotency-Key` (migration 000036) has a receipt: a resend of it
+//! while it runs *attaches* to the same run ([`Started::Open`] with the next attachment, in any
+//! api process), one after it ended gets its recorded outcome ([`Started::Replay`]). Its client
+//! going away does not cancel the run: the handle *detaches* — the run goes on to its end, its
+//! outcome is recorded on the receipt for the resend the client's SDK is about to make, and the
+//! request ends as above. Only the newest attachment ends the request.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use agentloop_shared::commands;
+use agentloop_shared::commands::{self, OpenAiKey};
 use agentloop_shared::db::PgPool;
 use agentloop_shared::runs;
 use agentloop_shared::store::Store;
@@ -36,17 +43,31 @@ pub struct HiddenRequests {
     pub holder: String,
     /// Lease of a request; renewed every third of it.
     pub lease: Duration,
-    store: Store,
-    pool: PgPool,
-    open: Mutex<HashSet<Uuid>>,
+    pub(super) store: Store,
+    pub(super) pool: PgPool,
+    pub(super) hub: Arc<crate::hub::Hub>,
+    /// Open requests of this process by hidden thread, with how many handles (attachments) of
+    /// this process hold each.
+    open: Mutex<HashMap<Uuid, usize>>,
+}
+
+/// What [`HiddenRequests::start`] found or made.
+pub enum Started {
+    /// A new request, or a resend of a keyed one in flight attached to it.
+    Open(HiddenRequest),
+    /// A resend of a keyed request that ended: its recorded `{status, body}`.
+    Replay(Value),
+    /// A resend of a keyed request that its api's death ended after a tool call took effect:
+    /// its thread was kept as the record, and it is not run again.
+    Interrupted { thread_id: Uuid, run_id: Uuid },
 }
 
 impl HiddenRequests {
     /// A registry for this process (`holder` = `<host>-<pid>-<random>`).
-    pub fn new(store: Store, pool: PgPool, lease: Duration) -> Arc<Self> {
+    pub fn new(store: Store, pool: PgPool, hub: Arc<crate::hub::Hub>, lease: Duration) -> Arc<Self> {
         let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "api".into());
         let holder = format!("{host}-{}-{:06x}", std::process::id(), Uuid::new_v4().as_u128() & 0xff_ffff);
-        Arc::new(Self { holder, lease, store, pool, open: Mutex::new(HashSet::new()) })
+        Arc::new(Self { holder, lease, store, pool, hub, open: Mutex::new(HashMap::new()) })
     }
 
     /// Renews every open request every lease/3 until `shutdown`.
@@ -57,7 +78,7 @@ impl HiddenRequests {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
             }
-            let threads: Vec<Uuid> = self.open.lock().expect("hidden requests lock").iter().copied().collect();
+            let threads: Vec<Uuid> = self.open.lock().expect("hidden requests lock").keys().copied().collect();
             if threads.is_empty() {
                 continue;
             }
@@ -68,39 +89,115 @@ impl HiddenRequests {
     }
 
     /// Creates the hidden thread with `messages`, its run and the lease (one transaction), and
-    /// returns the request's handle with the `{threadId, run}` answer.
+    /// returns the request's handle; with `key`, a resend attaches, replays or is refused (see
+    /// [`Started`]).
     pub async fn start(
         self: &Arc<Self>,
         principal: Uuid,
         model: &str,
         messages: &[agentloop_shared::messages::NewMessage],
         client_tools: &[Value],
-    ) -> Result<(HiddenRequest, Value), super::V1Error> {
-        let created =
-            commands::openai_start(&self.store, principal, model, messages, client_tools, &self.holder, self.lease.as_millis() as u64)
-                .await?;
+        key: Option<OpenAiKey<'_>>,
+    ) -> Result<Started, super::V1Error> {
+        let keyed = key.is_some();
+        let created = commands::openai_start(
+            &self.store,
+            principal,
+            model,
+            messages,
+            client_tools,
+            &self.holder,
+            self.lease.as_millis() as u64,
+            key,
+        )
+        .await?;
         let id = |v: &Value| v.as_str().and_then(|s| Uuid::parse_str(s).ok());
-        let (Some(thread_id), Some(run_id)) = (id(&created["threadId"]), id(&created["run"]["id"])) else {
+        if let Some(recorded) = created.get("replay") {
+            return Ok(Started::Replay(recorded.clone()));
+        }
+        if let Some(i) = created.get("interrupted") {
+            if let (Some(thread_id), Some(run_id)) = (id(&i["threadId"]), id(&i["runId"])) {
+                return Ok(Started::Interrupted { thread_id, run_id });
+            }
+        }
+        let (Some(thread_id), Some(run_id), Some(attachment)) =
+            (id(&created["threadId"]), id(&created["run"]["id"]), created["attachment"].as_i64())
+        else {
             return Err(crate::error::ApiError::Internal(anyhow::anyhow!("agentloop_openai_start returned {created}")).into());
         };
-        self.open.lock().expect("hidden requests lock").insert(thread_id);
-        metrics::gauge!("agentloop_openai_open_requests").increment(1.0);
-        Ok((HiddenRequest { registry: self.clone(), principal, thread_id, run_id, done: false }, created))
+        if created["attached"].as_bool() == Some(true) {
+            tracing::info!(thread.id = %thread_id, run.id = %run_id, attachment, "OpenAI request resent with its Idempotency-Key: attached to its run");
+            metrics::counter!("agentloop_openai_attached_total").increment(1);
+        }
+        self.hold(thread_id);
+        let model = created["run"]["model"].as_str().unwrap_or(model).to_owned();
+        Ok(Started::Open(HiddenRequest { registry: self.clone(), principal, thread_id, run_id, attachment, keyed, model, done: false }))
+    }
+
+    fn hold(&self, thread_id: Uuid) {
+        let mut open = self.open.lock().expect("hidden requests lock");
+        let n = open.entry(thread_id).or_insert(0);
+        if *n == 0 {
+            metrics::gauge!("agentloop_openai_open_requests").increment(1.0);
+        }
+        *n += 1;
     }
 
     fn close(&self, thread_id: Uuid) {
-        if self.open.lock().expect("hidden requests lock").remove(&thread_id) {
-            metrics::gauge!("agentloop_openai_open_requests").decrement(1.0);
+        let mut open = self.open.lock().expect("hidden requests lock");
+        if let Some(n) = open.get_mut(&thread_id) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&thread_id);
+                metrics::gauge!("agentloop_openai_open_requests").decrement(1.0);
+            }
         }
     }
 
+    /// A keyed request whose client went away: the run goes on to its end (still renewed by this
+    /// process), its outcome is recorded for the resend, and the request ends — unless a newer
+    /// attachment holds it by then, which ends it instead.
+    async fn detach(self: Arc<Self>, request: Detached) {
+        let Detached { principal, thread_id, run_id, attachment, model } = request;
+        // A database error while waiting is waited out (the outcome recorded is the run's own);
+        // the run's own bound (its wait, MAX_WAIT) still ends it.
+        let deadline = tokio::time::Instant::now() + super::chat_completions::MAX_WAIT;
+        let ended = loop {
+            match super::chat_completions::wait_for_end(&self.pool, &self.store, &self.hub, principal, thread_id, run_id).await {
+                Err(error) if error.code != "timeout" && tokio::time::Instant::now() < deadline => {
+                    tracing::warn!(%error, thread.id = %thread_id, "waiting for a detached OpenAI request's run failed; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                other => break other,
+            }
+        };
+        let response = match ended {
+            Ok(run) => {
+                let chunker = super::stream::Chunker::new(run_id, &model, false);
+                super::chat_completions::ended(&self.pool, &chunker, thread_id, run_id, &run).await
+            }
+            Err(error) => Err(error),
+        };
+        let recorded = super::chat_completions::recorded(&response);
+        self.close(thread_id);
+        self.release(principal, thread_id, run_id, false, Some(attachment), Some(recorded)).await;
+    }
+
     /// Cancels and deletes the hidden thread (or keeps it: `delivered`, see
-    /// [`commands::openai_finish`]); when its run is still ending, waits for it (up to
-    /// [`RELEASE_WAIT`]) and deletes it then.
-    async fn release(self: Arc<Self>, principal: Uuid, thread_id: Uuid, run_id: Uuid, delivered: bool) {
+    /// [`commands::openai_finish`]; `attachment` and `response` as there); when its run is still
+    /// ending, waits for it (up to [`RELEASE_WAIT`]) and deletes it then.
+    async fn release(
+        self: Arc<Self>,
+        principal: Uuid,
+        thread_id: Uuid,
+        run_id: Uuid,
+        delivered: bool,
+        attachment: Option<i64>,
+        response: Option<Value>,
+    ) {
         let deadline = tokio::time::Instant::now() + RELEASE_WAIT;
         loop {
-            match commands::openai_finish(&self.store, principal, thread_id, delivered).await {
+            match commands::openai_finish(&self.store, principal, thread_id, delivered, attachment, response.as_ref()).await {
                 Ok(true) => return,
                 Ok(false) => {}
                 Err(error) => tracing::warn!(%error, thread.id = %thread_id, "releasing a hidden thread failed; retrying"),
@@ -124,27 +221,50 @@ impl HiddenRequests {
     }
 }
 
+/// What a detached keyed request needs to finish.
+struct Detached {
+    principal: Uuid,
+    thread_id: Uuid,
+    run_id: Uuid,
+    attachment: i64,
+    model: String,
+}
+
 /// One open request (see the module docs).
 pub struct HiddenRequest {
     registry: Arc<HiddenRequests>,
     pub principal: Uuid,
     pub thread_id: Uuid,
     pub run_id: Uuid,
+    /// Which attachment of the request this handle is (1 for the request that started it).
+    attachment: i64,
+    /// Sent with an `Idempotency-Key`: its outcome is recorded, and its client going away
+    /// detaches it instead of cancelling the run.
+    keyed: bool,
+    /// The run's model (for a recorded completion).
+    pub model: String,
     done: bool,
 }
 
 impl HiddenRequest {
+    /// Whether the request has a receipt whose outcome [`Self::finish`] records.
+    pub fn keyed(&self) -> bool {
+        self.keyed
+    }
+
     /// The request ended: cancel what is still active and delete the thread (in the background
     /// when the run still has to end). `answered`: the client got the run's answer — else (an
-    /// error, a timeout) a thread whose tool calls took effect is kept, as the record of what
-    /// the client was not told ([`commands::openai_finish`]).
-    pub async fn finish(mut self, answered: bool) {
+    /// error, a timeout) the thread's title says it was not ([`commands::openai_finish`]).
+    /// `response` (`{status, body}`, keyed requests): the outcome a resend of the key gets.
+    pub async fn finish(mut self, answered: bool, response: Option<Value>) {
         self.done = true;
         self.registry.close(self.thread_id);
-        match commands::openai_finish(&self.registry.store, self.principal, self.thread_id, answered).await {
+        let attachment = self.keyed.then_some(self.attachment);
+        let response = response.filter(|_| self.keyed);
+        match commands::openai_finish(&self.registry.store, self.principal, self.thread_id, answered, attachment, response.as_ref()).await {
             Ok(true) => {}
             Ok(false) | Err(_) => {
-                tokio::spawn(self.registry.clone().release(self.principal, self.thread_id, self.run_id, answered));
+                tokio::spawn(self.registry.clone().release(self.principal, self.thread_id, self.run_id, answered, attachment, response));
             }
         }
     }
@@ -155,9 +275,23 @@ impl Drop for HiddenRequest {
         if self.done {
             return;
         }
+        if self.keyed {
+            // Still held (renewed) until the detached task ends it.
+            tracing::info!(thread.id = %self.thread_id, run.id = %self.run_id, "OpenAI request with an Idempotency-Key left by its client: its run goes on for a resend");
+            metrics::counter!("agentloop_openai_detached_total").increment(1);
+            let detached = Detached {
+                principal: self.principal,
+                thread_id: self.thread_id,
+                run_id: self.run_id,
+                attachment: self.attachment,
+                model: std::mem::take(&mut self.model),
+            };
+            tokio::spawn(self.registry.clone().detach(detached));
+            return;
+        }
         self.registry.close(self.thread_id);
         tracing::info!(thread.id = %self.thread_id, run.id = %self.run_id, "OpenAI request abandoned by its client: cancelling its run");
         metrics::counter!("agentloop_openai_abandoned_total").increment(1);
-        tokio::spawn(self.registry.clone().release(self.principal, self.thread_id, self.run_id, false));
+        tokio::spawn(self.registry.clone().release(self.principal, self.thread_id, self.run_id, false, None, None));
     }
 }

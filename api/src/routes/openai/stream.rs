@@ -44,6 +44,11 @@ pub struct Chunker {
 }
 
 impl Chunker {
+    /// The chunker of `run_id`'s completion, created now.
+    pub fn new(run_id: uuid::Uuid, model: &str, include_usage: bool) -> Self {
+        Self { id: format!("chatcmpl-{}", run_id.simple()), created: chrono::Utc::now().timestamp(), model: model.to_owned(), include_usage }
+    }
+
     fn event(value: &Value) -> sse::Event {
         sse::Event::Data(sse::Data::new(value.to_string()))
     }
@@ -135,6 +140,8 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
     let deadline = tokio::time::Instant::now() + super::chat_completions::MAX_WAIT;
     let mut cursor = 0i64;
     let mut text = Text::default();
+    // Everything sent as `delta.content` (the non-streaming answer's `content`).
+    let mut content = String::new();
     let mut client_calls: Vec<Value> = Vec::new();
     // The provider's `finish_reason` when it cut the last answer (`length`, ...).
     let mut cut: Option<String> = None;
@@ -230,10 +237,11 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
                 }
                 _ => None,
             };
-            if let Some(delta) = delta
-                && tx.send(chunker.chunk(json!({"content": delta}), None)).await.is_err()
-            {
-                return;
+            if let Some(delta) = delta {
+                content.push_str(&delta);
+                if tx.send(chunker.chunk(json!({"content": delta}), None)).await.is_err() {
+                    return;
+                }
             }
             if end.is_some() {
                 break 'outer;
@@ -253,6 +261,25 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
         }
     }
     let answered = matches!(end, Some(End::Completed { .. }));
+    // A keyed request's outcome, for resends of its key (the completion as a non-streaming
+    // request would have answered it).
+    let response = if !request.keyed() {
+        None
+    } else {
+        match &end {
+            Some(End::Completed { prompt, completion }) => {
+                let answer = super::chat_completions::Answer { content: content.clone(), tool_calls: client_calls.clone(), cut: cut.clone() };
+                Some(super::chat_completions::recorded(&Ok(super::chat_completions::completion(&chunker, &answer, *prompt, *completion))))
+            }
+            Some(End::Failed { code, message }) => Some(super::chat_completions::recorded(&Err(super::V1Error {
+                status: actix_web::http::StatusCode::BAD_GATEWAY,
+                code: code.clone(),
+                message: message.clone(),
+                param: None,
+            }))),
+            None => None,
+        }
+    };
     match end {
         Some(End::Completed { prompt, completion }) => {
             let mut events = Vec::new();
@@ -281,7 +308,7 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
         }
         None => {}
     }
-    request.finish(answered).await;
+    request.finish(answered, response).await;
 }
 
 #[cfg(test)]
