@@ -16,7 +16,9 @@
 
 ALTER TABLE openai_requests ADD COLUMN command_id text, ADD COLUMN attachment int NOT NULL DEFAULT 1;
 
--- As in 000008, with p.commandId and p.fingerprint (both or neither). Returns {threadId, run,
+-- As in 000008, with p.settings (the thread's maxTokens, temperature: the request's
+-- `max_completion_tokens`, `temperature`, which were ignored) and p.commandId and p.fingerprint
+-- (both or neither). Returns {threadId, run,
 -- attachment} for a request started or attached to (`attached: true`), {replay: {status, body}}
 -- for one that ended, {interrupted: {threadId, runId}} (see above).
 CREATE OR REPLACE FUNCTION agentloop_openai_start(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
@@ -26,7 +28,9 @@ DECLARE
     v_lease interval := make_interval(secs => (p ->> 'leaseMs')::bigint / 1000.0);
     v_metadata jsonb := jsonb_build_object('stateless', true)
         || CASE WHEN jsonb_typeof(p -> 'clientTools') = 'array' AND jsonb_array_length(p -> 'clientTools') > 0
-                THEN jsonb_build_object('clientTools', p -> 'clientTools') ELSE '{}'::jsonb END;
+                THEN jsonb_build_object('clientTools', p -> 'clientTools') ELSE '{}'::jsonb END
+        -- The request's generation settings (`max_completion_tokens`, `temperature`).
+        || CASE WHEN jsonb_typeof(p -> 'settings') = 'object' THEN p -> 'settings' ELSE '{}'::jsonb END;
     rc command_receipts;
     v_attachment int;
     t threads;

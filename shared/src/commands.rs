@@ -271,8 +271,9 @@ pub struct OpenAiKey<'a> {
 
 /// The OpenAI endpoint's hidden thread (`agentloop_openai_start`): `messages` (step-function
 /// messages), a one-slice run, `client_tools` (OpenAI function specs the worker offers and
-/// returns to the caller instead of running) and the request's lease row held by `holder` for
-/// `lease_ms`. Returns `{threadId, run, attachment}`. With `key` (migration 000036): a resend of
+/// returns to the caller instead of running), `settings` (`{maxTokens?, temperature?}`, the
+/// thread's generation settings) and the request's lease row held by `holder` for `lease_ms`.
+/// Returns `{threadId, run, attachment}`. With `key` (migration 000036): a resend of
 /// a request in flight attaches to it (`attached: true`, the next `attachment`), one that ended
 /// returns `{replay: {status, body}}`, one whose api died after an effect
 /// `{interrupted: {threadId, runId}}`; 409 `idempotency_conflict` for another body. Safe to
@@ -283,12 +284,13 @@ pub async fn openai_start(
     model: &str,
     messages: &[crate::messages::NewMessage],
     client_tools: &[Value],
+    settings: &Value,
     holder: &str,
     lease_ms: u64,
     key: Option<OpenAiKey<'_>>,
 ) -> Result<Value, StoreError> {
     let mut arg = json!({"principalId": principal, "model": model, "messages": messages, "clientTools": client_tools,
-                         "holder": holder, "leaseMs": lease_ms});
+                         "settings": settings, "holder": holder, "leaseMs": lease_ms});
     let replay = match key {
         Some(key) => {
             arg["commandId"] = json!(key.command_id);

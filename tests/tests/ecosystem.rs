@@ -470,6 +470,47 @@ async fn openai_idempotency_key_makes_resends_safe() {
     wait_no_hidden(&stack, Duration::from_secs(10)).await;
 }
 
+/// OpenAI generation parameters on `/v1` are the run's settings or refused, never silently
+/// dropped (acceptance probe F: `max_tokens`, `stop`, `response_format` and `tool_choice: "none"`
+/// were accepted and ignored — a cost bound and an answer's contract lost without a word).
+#[tokio::test]
+async fn openai_generation_parameters_are_honoured_or_refused() {
+    let stack = Stack::start("ecosystem_v1_params", StackOptions::default()).await.unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", stack.api_url);
+    let send = |extra: Value| {
+        let mut body = json!({"model": "mock", "messages": [{"role": "user", "content": script(json!([{"text": "ok"}]))}]});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        http.post(&url).bearer_auth(&stack.key).json(&body).send()
+    };
+    let last_upstream = || async {
+        let sent = stack.mock.requests().await.unwrap();
+        sent.last().unwrap().clone()
+    };
+    let r = send(json!({"max_completion_tokens": 77, "temperature": 0.3})).await.unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    let upstream = last_upstream().await;
+    assert_eq!((upstream["max_tokens"].as_u64(), upstream["temperature"].as_f64()), (Some(77), Some(0.3)), "{upstream}");
+    let r = send(json!({"max_tokens": 55, "stop": null, "response_format": {"type": "text"}, "tool_choice": "auto", "logprobs": false, "top_p": 1})).await.unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    assert_eq!(last_upstream().await["max_tokens"], 55);
+    let requests_before = stack.mock.requests().await.unwrap().len();
+    for (extra, code, param) in [
+        (json!({"stop": ["\n"]}), "unsupported_parameter", "stop"),
+        (json!({"response_format": {"type": "json_object"}}), "unsupported_parameter", "response_format"),
+        (json!({"tool_choice": "none"}), "unsupported_parameter", "tool_choice"),
+        (json!({"logprobs": true}), "unsupported_parameter", "logprobs"),
+        (json!({"max_tokens": 0}), "invalid_request", "max_tokens"),
+        (json!({"temperature": 3}), "invalid_request", "temperature"),
+    ] {
+        let r = send(extra.clone()).await.unwrap();
+        assert_eq!(r.status(), 400, "{extra}");
+        let error: Value = r.json().await.unwrap();
+        assert_eq!((error["error"]["code"].as_str(), error["error"]["param"].as_str()), (Some(code), Some(param)), "{extra}: {error}");
+    }
+    assert_eq!(stack.mock.requests().await.unwrap().len(), requests_before, "a refused request reached the model");
+}
+
 /// The api process dies mid-stream: its request leases expire and the workers' sweep cancels the
 /// run and deletes the hidden thread.
 #[tokio::test]

@@ -54,8 +54,11 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
-/// The request (OpenAI Chat Completions). Fields not listed (`temperature`, `max_tokens`,
-/// `tool_choice`, ...) are accepted and ignored: the server's model configuration decides.
+/// The request (OpenAI Chat Completions). `max_completion_tokens` (or the older `max_tokens`)
+/// and `temperature` are the run's generation settings (the hidden thread's `maxTokens` and
+/// `temperature`). `stop`, `response_format`, `tool_choice` and `logprobs` other than their
+/// defaults would change the answer's contract and are refused (400 `unsupported_parameter`);
+/// other fields (`top_p`, `seed`, penalties, `user`, ...) are accepted and ignored.
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct ChatCompletionRequest {
     /// A configured model id (`GET /v1/models`); the server's default when absent.
@@ -76,6 +79,70 @@ pub struct ChatCompletionRequest {
     /// Choices per request; only 1 is supported.
     #[serde(default)]
     pub n: Option<u32>,
+    /// Most tokens each model call of the run may generate (a positive integer).
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
+    /// The older name of `max_completion_tokens`.
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    /// Sampling temperature, 0 to 2.
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    /// Only absent, `null` or empty.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub stop: Option<Value>,
+    /// Only `{"type": "text"}`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub response_format: Option<Value>,
+    /// Only `"auto"`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Value>,
+    /// Only `false`.
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+}
+
+impl ChatCompletionRequest {
+    /// The run's generation settings (`{maxTokens?, temperature?}`, merged into the hidden
+    /// thread's metadata), or 400 `invalid_request` / `unsupported_parameter` naming the field.
+    fn settings(&self) -> Result<Value, V1Error> {
+        let unsupported = |param: &str, what: &str| {
+            Err(V1Error::bad_request("unsupported_parameter", param, format!("{param} is not supported by this server: {what}")))
+        };
+        if self.stop.as_ref().is_some_and(|s| !(s.is_null() || s.as_str() == Some("") || s.as_array().is_some_and(Vec::is_empty))) {
+            return unsupported("stop", "the model's answer is not cut at stop sequences");
+        }
+        if self.response_format.as_ref().is_some_and(|f| !f.is_null() && f["type"] != "text") {
+            return unsupported("response_format", "answers are text; structured outputs are not enforced");
+        }
+        if self.tool_choice.as_ref().is_some_and(|c| !c.is_null() && c != "auto") {
+            return unsupported("tool_choice", "the model always chooses (\"auto\")");
+        }
+        if self.logprobs == Some(true) {
+            return unsupported("logprobs", "log probabilities are not returned");
+        }
+        let mut settings = serde_json::Map::new();
+        let (param, max) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(n), _) => ("max_completion_tokens", Some(n)),
+            (None, n) => ("max_tokens", n),
+        };
+        if let Some(n) = max {
+            if n == 0 || n > u64::from(u32::MAX) {
+                return Err(V1Error::bad_request("invalid_request", param, format!("{param} must be a positive integer")));
+            }
+            settings.insert("maxTokens".into(), json!(n));
+        }
+        if let Some(t) = self.temperature {
+            if !(0.0..=2.0).contains(&t) {
+                return Err(V1Error::bad_request("invalid_request", "temperature", "temperature must be a number from 0 to 2"));
+            }
+            settings.insert("temperature".into(), json!(t));
+        }
+        Ok(Value::Object(settings))
+    }
 }
 
 /// What the run left for the caller.
@@ -111,6 +178,7 @@ pub async fn chat_completions(
     })?;
     let history: Vec<messages::NewMessage> = history.into_iter().map(|m| m.message).collect();
     let client_tools = client_tools(body.tools.as_deref().unwrap_or_default())?;
+    let settings = body.settings()?;
     let model = match body.model.as_deref() {
         Some(m) if state.catalog.get(m).is_some() => m.to_owned(),
         Some(m) => {
@@ -133,12 +201,12 @@ pub async fn chat_completions(
     // to the first request's run or gets its outcome (migration 000036).
     let key = crate::extract::idempotency_key(&req)?.map(|key| {
         let fingerprint = agentloop_shared::receipts::fingerprint(&json!({
-            "op": "v1.chat.completions", "model": model, "messages": body.messages, "tools": body.tools,
+            "op": "v1.chat.completions", "model": model, "messages": body.messages, "tools": body.tools, "settings": settings,
         }));
         (format!("v1:{key}"), fingerprint)
     });
     let key_ref = key.as_ref().map(|(command_id, fingerprint)| agentloop_shared::commands::OpenAiKey { command_id, fingerprint });
-    let request = match hidden.clone().into_inner().start(who.0.id, &model, &history, &client_tools, key_ref).await? {
+    let request = match hidden.clone().into_inner().start(who.0.id, &model, &history, &client_tools, &settings, key_ref).await? {
         Started::Open(request) => request,
         Started::Replay(recorded) => return Ok(actix_web::Either::Left(replay(&req, &recorded, stream, include_usage))),
         Started::Interrupted { thread_id, run_id } => {

@@ -97,6 +97,7 @@ impl HiddenRequests {
         model: &str,
         messages: &[agentloop_shared::messages::NewMessage],
         client_tools: &[Value],
+        settings: &Value,
         key: Option<OpenAiKey<'_>>,
     ) -> Result<Started, super::V1Error> {
         let keyed = key.is_some();
@@ -106,6 +107,7 @@ impl HiddenRequests {
             model,
             messages,
             client_tools,
+            settings,
             &self.holder,
             self.lease.as_millis() as u64,
             key,
