@@ -92,6 +92,8 @@ struct Shared {
     conns: Mutex<HashMap<usize, Arc<Conn>>>,
     rules: Mutex<Vec<Rule>>,
     accepted: AtomicUsize,
+    /// New connections are closed as soon as they are accepted (a server that is down).
+    refusing: AtomicBool,
 }
 
 /// A listening proxy to one upstream address; stops (closing every connection) when dropped.
@@ -115,6 +117,10 @@ impl Proxy {
                     _ = accept_stop.cancelled() => return,
                     accepted = listener.accept() => match accepted { Ok((s, _)) => s, Err(_) => continue },
                 };
+                if accept_shared.refusing.load(Ordering::Acquire) {
+                    drop(client);
+                    continue;
+                }
                 let id = accept_shared.accepted.fetch_add(1, Ordering::AcqRel) + 1;
                 let conn = Arc::new(Conn {
                     id,
@@ -147,8 +153,17 @@ impl Proxy {
         format!("{scheme}://{user}{}/{path}", self.addr)
     }
 
-    /// Forward everything again: unfreezes every connection and drops every pending rule.
+    /// The server is down: every open connection is cut and new ones are closed at once, until
+    /// [`Self::pass`].
+    pub fn go_down(&self) {
+        self.shared.refusing.store(true, Ordering::Release);
+        self.cut_all();
+    }
+
+    /// Forward everything again: accepts new connections, unfreezes every connection and drops
+    /// every pending rule.
     pub fn pass(&self) {
+        self.shared.refusing.store(false, Ordering::Release);
         self.shared.rules.lock().unwrap().clear();
         for conn in self.shared.conns.lock().unwrap().values() {
             *conn.pending.lock().unwrap() = None;

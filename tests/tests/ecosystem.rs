@@ -511,6 +511,44 @@ async fn openai_generation_parameters_are_honoured_or_refused() {
     assert_eq!(stack.mock.requests().await.unwrap().len(), requests_before, "a refused request reached the model");
 }
 
+/// A non-streaming `/v1` request whose api loses its database while the run goes on waits it
+/// out and answers the run's answer, as a streaming one does (acceptance probe F: 503 "retry
+/// later" for a request whose payment had happened and whose run then completed).
+#[tokio::test]
+async fn openai_a_database_outage_while_waiting_is_waited_out() {
+    let options = StackOptions {
+        worker_env: vec![("AGENTLOOP_TEST_TOOLS".into(), "1".into())],
+        api_through_proxy: true,
+        ..Default::default()
+    };
+    let stack = Stack::start("ecosystem_v1_outage", options).await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    let proxy = stack.proxy.as_ref().unwrap();
+    let url = format!("{}/v1/chat/completions", stack.api_url);
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "outage"}}]}, {"text": "paid", "delayMs": 1500}]);
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
+    let request = reqwest::Client::new().post(&url).bearer_auth(&stack.key).json(&body).send();
+    let outage = async {
+        while db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = 'outage'", &[]).await.unwrap().get::<_, i64>(0) == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The api's database goes down (its connections cut, new ones refused) for 6 s; the
+        // worker's does not, and its run completes meanwhile.
+        proxy.go_down();
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        proxy.pass();
+        std::future::pending::<()>().await
+    };
+    let r = tokio::select! {
+        r = request => r.unwrap(),
+        () = outage => unreachable!(),
+    };
+    let status = r.status();
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["choices"][0]["message"]["content"], "paid", "{answer}");
+}
+
 /// The api process dies mid-stream: its request leases expire and the workers' sweep cancels the
 /// run and deletes the hidden thread.
 #[tokio::test]

@@ -258,12 +258,6 @@ pub async fn chat_completions(
     };
     let result = match waited {
         Ok(finished) => ended(&state.pool, &chunker, request.thread_id, request.run_id, &finished).await,
-        Err(e) if request.keyed() && e.code != "timeout" => {
-            // The database failed while waiting: a keyed request's run goes on (detached), and a
-            // resend of the key attaches to it or gets its outcome.
-            drop(request);
-            return Ok(actix_web::Either::Left(e.error_response()));
-        }
         Err(e) => Err(e),
     };
     let response = request.keyed().then(|| recorded(&result));
@@ -413,25 +407,28 @@ pub fn client_tools(tools: &[Value]) -> Result<Vec<Value>, V1Error> {
 }
 
 /// Waits until the run ends. A run that waits for a human (an approval, an uncertain effect)
-/// cannot be resolved by a stateless caller: it is cancelled and reported with its error.
+/// cannot be resolved by a stateless caller: it is cancelled and reported with its error. A
+/// database that fails meanwhile is waited out like the streaming pump does, up to
+/// [`MAX_WAIT`] (504 `timeout`): the run goes on, and answering 503 "retry later" for a request
+/// whose tool calls may have taken effect invited a resend (acceptance probe F: a payment made,
+/// 503 answered, the run completed afterwards).
 pub async fn wait_for_end(pool: &PgPool, store: &Store, hub: &Hub, principal: Uuid, thread_id: Uuid, run_id: Uuid) -> Result<Run, V1Error> {
     let mut wake = hub.subscribe(thread_id);
     let deadline = tokio::time::Instant::now() + MAX_WAIT;
     loop {
         wake.borrow_and_update();
-        let mut conn = pool.get().await?;
-        let mut current = runs::get(&mut conn, run_id).await?;
-        drop(conn);
-        if matches!(current.status.as_str(), status::BLOCKED | status::WAITING_APPROVAL) {
-            let error = (current.error_code.clone(), current.error_message.clone());
-            agentloop_shared::commands::openai_cancel(store, principal, thread_id).await?;
-            let mut conn = pool.get().await?;
-            current = runs::get(&mut conn, run_id).await?;
-            (current.error_code, current.error_message) = error;
-            current.error_code.get_or_insert_with(|| "operation_uncertain".into());
-        }
-        if current.is_terminal() {
-            return Ok(current);
+        match settled(pool, store, principal, thread_id, run_id).await {
+            Ok(Some(run)) => return Ok(run),
+            Ok(None) => {}
+            // The request's run is gone (the sweep removed it): nothing to wait for.
+            Err(e) if e.code == "request_expired" => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "reading an OpenAI request's run failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => continue,
+                    _ = tokio::time::sleep_until(deadline) => {}
+                }
+            }
         }
         tokio::select! {
             _ = wake.changed() => {}
@@ -442,6 +439,23 @@ pub async fn wait_for_end(pool: &PgPool, store: &Store, hub: &Hub, principal: Uu
             }
         }
     }
+}
+
+/// The run once it ended (`None` while it runs); one waiting for a human is cancelled first
+/// (see [`wait_for_end`]).
+async fn settled(pool: &PgPool, store: &Store, principal: Uuid, thread_id: Uuid, run_id: Uuid) -> Result<Option<Run>, V1Error> {
+    let mut conn = pool.get().await?;
+    let mut current = runs::get(&mut conn, run_id).await?;
+    drop(conn);
+    if matches!(current.status.as_str(), status::BLOCKED | status::WAITING_APPROVAL) {
+        let error = (current.error_code.clone(), current.error_message.clone());
+        agentloop_shared::commands::openai_cancel(store, principal, thread_id).await?;
+        let mut conn = pool.get().await?;
+        current = runs::get(&mut conn, run_id).await?;
+        (current.error_code, current.error_message) = error;
+        current.error_code.get_or_insert_with(|| "operation_uncertain".into());
+    }
+    Ok(current.is_terminal().then_some(current))
 }
 
 /// The error of a run that did not complete (502 with its code; `budget_exhausted` reads

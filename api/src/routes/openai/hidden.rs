@@ -161,18 +161,7 @@ impl HiddenRequests {
     /// attachment holds it by then, which ends it instead.
     async fn detach(self: Arc<Self>, request: Detached) {
         let Detached { principal, thread_id, run_id, attachment, model } = request;
-        // A database error while waiting is waited out (the outcome recorded is the run's own);
-        // the run's own bound (its wait, MAX_WAIT) still ends it.
-        let deadline = tokio::time::Instant::now() + super::chat_completions::MAX_WAIT;
-        let ended = loop {
-            match super::chat_completions::wait_for_end(&self.pool, &self.store, &self.hub, principal, thread_id, run_id).await {
-                Err(error) if error.code != "timeout" && tokio::time::Instant::now() < deadline => {
-                    tracing::warn!(%error, thread.id = %thread_id, "waiting for a detached OpenAI request's run failed; retrying");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-                other => break other,
-            }
-        };
+        let ended = super::chat_completions::wait_for_end(&self.pool, &self.store, &self.hub, principal, thread_id, run_id).await;
         let response = match ended {
             Ok(run) => {
                 let chunker = super::stream::Chunker::new(run_id, &model, false);
