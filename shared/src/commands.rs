@@ -155,6 +155,8 @@ pub struct RunOptions {
     pub max_steps: i32,
     #[serde(flatten)]
     pub model: ModelChoice,
+    /// Replace messages whose tool calls took effect (else 409 `effects_in_branch`).
+    pub repeat_effects: bool,
 }
 
 /// Replaces user message `sequence` (it and everything after become inactive, kept as a branch

@@ -130,6 +130,22 @@ export const tests = [
       const answer = (await lastOf(t.page, 'assistant')).trim();
       assert(answer === 'final: ticket 7 exists', `the run continued with the resolved result: ${answer}`);
       await shot(t.page, 'tools-05-resolved.png');
+      // Editing the turn whose answer made the call asks first: the call took effect (the server
+      // answers 409 effects_in_branch; the dialog names the tool; Cancel replaces nothing).
+      const turn = t.page.locator(`${sel('message')}[data-role="user"]`).first();
+      const before = await t.page.locator(sel('message')).count();
+      await turn.hover();
+      await turn.locator(`.acts ${sel('edit')}`).click();
+      await t.page.locator(sel('edit-input')).fill('the same, with a typo fixed');
+      await t.page.locator(sel('edit-save')).click();
+      const dialog = t.page.locator(sel('confirm-dialog'));
+      await dialog.waitFor();
+      const asked = await dialog.innerText();
+      assert(asked.includes('record_effect'), `the dialog names the tool: ${asked}`);
+      await shot(t.page, 'tools-06-effects-confirm.png');
+      await t.page.click(sel('confirm-cancel'));
+      await dialog.waitFor({ state: 'hidden' });
+      assert(await t.page.locator(sel('message')).count() === before, 'cancel replaced nothing');
     },
   },
 ];

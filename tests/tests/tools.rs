@@ -827,3 +827,43 @@ async fn tools_web_ui_approvals_and_blocked_runs() {
     let run: String = db.query_one("SELECT status FROM runs r JOIN threads t ON t.id = r.thread_id WHERE t.id = $1", &[&blocked]).await.unwrap().get(0);
     assert_eq!(run, "completed");
 }
+
+/// An edit or a regenerate that would replace tool calls which took effect asks first (409
+/// `effects_in_branch`, migration 000037), and goes ahead with `repeatEffects: true`; one that
+/// replaces only later text does not ask (acceptance probe F: regenerating a `pay` call's
+/// message, or fixing a typo in the turn before it, paid again without a word).
+#[tokio::test]
+async fn tools_replacing_calls_that_took_effect_asks_first() {
+    let stack = start("effects_in_branch", json!({"tools": {}}), &[("AGENTLOOP_TEST_TOOLS", "1")]).await;
+    let c = stack.client();
+    let db = stack.db.client().await.unwrap();
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "paid"}}]}, {"text": "done"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    assert_eq!(c.wait_terminal(&run_id, T).await.unwrap()["status"], "completed");
+    let before = messages(&c, &thread).await;
+    let roles: Vec<&str> = before.iter().map(|m| m["role"].as_str().unwrap()).collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"]);
+    let seq = |i: usize| before[i]["sequence"].as_i64().unwrap();
+    for (path, body) in [
+        (format!("/api/threads/{thread}/messages/{}/regenerate", seq(1)), json!({})),
+        (format!("/api/threads/{thread}/messages/{}/regenerate", seq(2)), json!({})),
+        (format!("/api/threads/{thread}/messages/{}/regenerate", seq(0)), json!({})),
+        (format!("/api/threads/{thread}/messages/{}/edit", seq(0)), json!({"content": "typo fixed"})),
+    ] {
+        let r = c.post(&path, body).await.unwrap();
+        assert_eq!((r.status, r.body["error"]["code"].as_str()), (409, Some("effects_in_branch")), "{path}: {r:?}");
+        assert!(r.body["error"]["message"].as_str().unwrap().contains("record_effect"), "{r:?}");
+    }
+    assert_eq!(messages(&c, &thread).await, before, "a refused command changed the thread");
+    let runs: i64 = db.query_one("SELECT count(*) FROM runs", &[]).await.unwrap().get(0);
+    assert_eq!(runs, 1, "a refused command enqueued a run");
+    // Only the final text: nothing that took effect is replaced.
+    let r = c.post(&format!("/api/threads/{thread}/messages/{}/regenerate", seq(3)), json!({})).await.unwrap();
+    assert_eq!(r.status, 202, "{r:?}");
+    c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    // Asked and confirmed.
+    let r = c.post(&format!("/api/threads/{thread}/messages/{}/edit", seq(0)), json!({"content": "typo fixed", "repeatEffects": true})).await.unwrap();
+    assert_eq!(r.status, 202, "{r:?}");
+    c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+}

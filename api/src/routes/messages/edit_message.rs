@@ -11,7 +11,7 @@ use crate::AppState;
 use crate::error::ApiError;
 use crate::extract::Authenticated;
 
-/// Body: `{content, maxSteps?, model?}`.
+/// Body: `{content, maxSteps?, model?, repeatEffects?}`.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct EditMessage {
@@ -22,6 +22,9 @@ pub struct EditMessage {
     pub max_steps: Option<i32>,
     #[serde(default)]
     pub model: Option<String>,
+    /// See [`RunOptions::repeat_effects`].
+    #[serde(default)]
+    pub repeat_effects: Option<bool>,
 }
 
 /// Replaces the user message at `sequence` with new content: it and every active row after it
@@ -29,7 +32,8 @@ pub struct EditMessage {
 /// snapshots covering the old branch stop applying, and a run is enqueued like a chat post.
 /// 202 `{run, message, deactivated}`. Errors: 404, 400 `not_a_user_message` /
 /// `invalid_content` / `invalid_max_steps` / `unknown_model`, 409 `run_active` /
-/// `approval_required` / `model_not_configured`.
+/// `approval_required` / `model_not_configured` / `effects_in_branch` (the replaced messages hold
+/// tool calls that took effect or may have; `repeatEffects: true` goes ahead).
 #[utoipa::path(
     post, path = "/api/threads/{id}/messages/{sequence}/edit", tag = "messages", operation_id = "edit_message",
     params(("id" = Uuid, Path, description = "Thread id"), ("sequence" = i64, Path, description = "Sequence of the user message")),
@@ -37,7 +41,7 @@ pub struct EditMessage {
     responses((status = 202, description = "The run, the new user message and what was deactivated", body = crate::views::RunAccepted),
               (status = 400, description = "`not_a_user_message`, `invalid_content`, `invalid_max_steps`, `unknown_model`", body = crate::views::ErrorBody),
               (status = 404, description = "No such thread or message", body = crate::views::ErrorBody),
-              (status = 409, description = "`run_active`, `approval_required`, `model_not_configured`", body = crate::views::ErrorBody),
+              (status = 409, description = "`run_active`, `approval_required`, `model_not_configured`, `effects_in_branch`", body = crate::views::ErrorBody),
               (status = 429, description = "`too_many_active_runs` or a rate limit", body = crate::views::ErrorBody))
 )]
 pub async fn edit_message(
@@ -49,7 +53,7 @@ pub async fn edit_message(
     let (thread_id, sequence) = path.into_inner();
     let body = body.into_inner();
     crate::validate::content(&body.content)?;
-    let options = RunOptions { max_steps: body.max_steps, model: body.model.clone() }.validated(&state)?;
+    let options = RunOptions { max_steps: body.max_steps, model: body.model.clone(), repeat_effects: body.repeat_effects }.validated(&state)?;
     let turn = crate::turn(&body.content);
     crate::validate::turn_fits(&state, who.0.id, thread_id, body.model.as_deref(), &turn).await?;
     let response = commands::edit(&state.store, who.0.id, thread_id, sequence, turn, options).await?;

@@ -10,7 +10,7 @@ use serde::Deserialize;
 
 use crate::error::ApiError;
 
-/// Optional run settings of edit/regenerate: `{maxSteps?, model?}`.
+/// Optional run settings of edit/regenerate: `{maxSteps?, model?, repeatEffects?}`.
 #[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RunOptions {
@@ -19,6 +19,10 @@ pub struct RunOptions {
     pub max_steps: Option<i32>,
     #[serde(default)]
     pub model: Option<String>,
+    /// Go ahead although the replaced messages hold tool calls that took effect (or may have):
+    /// without it such an edit or regenerate is 409 `effects_in_branch` (migration 000037).
+    #[serde(default)]
+    pub repeat_effects: Option<bool>,
 }
 
 impl RunOptions {
@@ -29,6 +33,10 @@ impl RunOptions {
             return Err(ApiError::bad_request("invalid_max_steps", "maxSteps must be within 1..=10000"));
         }
         crate::validate::model(&state.catalog, self.model.as_deref())?;
-        Ok(agentloop_shared::commands::RunOptions { max_steps, model: state.model_choice(self.model) })
+        Ok(agentloop_shared::commands::RunOptions {
+            max_steps,
+            model: state.model_choice(self.model),
+            repeat_effects: self.repeat_effects.unwrap_or(false),
+        })
     }
 }
