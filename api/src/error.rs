@@ -222,9 +222,12 @@ pub fn json_error(err: actix_web::error::JsonPayloadError, _req: &actix_web::Htt
     api.into()
 }
 
-/// Maps query-string extractor errors into the envelope (`invalid_query`).
-pub fn query_error(err: actix_web::error::QueryPayloadError, _req: &actix_web::HttpRequest) -> actix_web::Error {
-    ApiError::bad_request("invalid_query", err.to_string()).into()
+/// Maps query-string extractor errors into the envelope (`invalid_query`). serde's message does
+/// not name the parameter ("invalid digit found in string"), so the query string (its first 200
+/// characters) is quoted with it.
+pub fn query_error(err: actix_web::error::QueryPayloadError, req: &actix_web::HttpRequest) -> actix_web::Error {
+    let query: String = req.query_string().chars().take(200).collect();
+    ApiError::bad_request("invalid_query", format!("{err} (query string: {query})")).into()
 }
 
 /// Maps path extractor errors into the envelope (`invalid_path`, e.g. a malformed UUID).

@@ -36,14 +36,15 @@ BEGIN
     END IF;
 END $$;
 
--- As in 000007, with the check.
+-- As in 000007, with the check; a missing message is refused before a busy thread.
 CREATE OR REPLACE FUNCTION agentloop_edit_branching(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     t threads := agentloop_lock_thread((p ->> 'threadId')::uuid, (p ->> 'principalId')::uuid);
     v_from bigint;
 BEGIN
-    PERFORM agentloop_ensure_idle(t.id);
+    -- A message that does not exist is 404 before a busy thread's 409 (acceptance probe F).
     v_from := agentloop_branch_start(t.id, (p ->> 'sequence')::bigint, true);
+    PERFORM agentloop_ensure_idle(t.id);
     PERFORM agentloop_check_effects(t.id, v_from, p);
     PERFORM agentloop_save_branch(t.id, v_from);
     RETURN agentloop_edit(p);
@@ -54,8 +55,9 @@ DECLARE
     t threads := agentloop_lock_thread((p ->> 'threadId')::uuid, (p ->> 'principalId')::uuid);
     v_from bigint;
 BEGIN
-    PERFORM agentloop_ensure_idle(t.id);
+    -- A message that does not exist is 404 before a busy thread's 409 (acceptance probe F).
     v_from := agentloop_branch_start(t.id, (p ->> 'sequence')::bigint, false);
+    PERFORM agentloop_ensure_idle(t.id);
     PERFORM agentloop_check_effects(t.id, v_from, p);
     PERFORM agentloop_save_branch(t.id, v_from);
     RETURN agentloop_regenerate(p);

@@ -655,6 +655,24 @@ async fn sse_resumes_from_after_sequence_or_last_event_id() {
         assert_eq!(r.status(), 400, "{bad}");
         assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "invalid_last_event_id", "{bad}");
     }
+    // Nor is a negative position reset silently (acceptance probe F), and a malformed one is
+    // refused naming what was sent.
+    for (query, header) in [("afterSequence=-5", None), ("", Some("-1")), ("afterSequence=abc", None)] {
+        let mut request = reqwest::Client::new()
+            .get(format!("{}/api/threads/{thread}/updates?timeoutMs=0&{query}", stack.api_url))
+            .bearer_auth(&stack.key);
+        if let Some(h) = header {
+            request = request.header("Last-Event-ID", h);
+        }
+        let r = request.send().await.unwrap();
+        assert_eq!(r.status(), 400, "{query} {header:?}");
+        let error: Value = r.json().await.unwrap();
+        let code = if header.is_some() { "invalid_last_event_id" } else { "invalid_query" };
+        assert_eq!(error["error"]["code"], code, "{query}: {error}");
+        if query.ends_with("abc") {
+            assert!(error["error"]["message"].as_str().unwrap().contains("afterSequence=abc"), "{error}");
+        }
+    }
 
     // No position: starts at the present.
     let mut s = sse(&stack, &thread, "", None).await;

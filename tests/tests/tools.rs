@@ -867,3 +867,22 @@ async fn tools_replacing_calls_that_took_effect_asks_first() {
     assert_eq!(r.status, 202, "{r:?}");
     c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
 }
+
+/// Editing or regenerating a message that does not exist is 404 even while a run is active (it
+/// was 409 `run_active`: the client learnt about the wrong problem first — acceptance probe F).
+#[tokio::test]
+async fn tools_a_missing_message_is_not_found_before_a_busy_thread() {
+    let stack = Stack::start("missing_message_busy", StackOptions { workers: 0, ..Default::default() }).await.unwrap();
+    let c = stack.client();
+    let thread = c.create_thread().await.unwrap();
+    c.chat(&thread, "waits in the queue").await.unwrap();
+    for (path, body) in [
+        (format!("/api/threads/{thread}/messages/999/edit"), json!({"content": "x"})),
+        (format!("/api/threads/{thread}/messages/999/regenerate"), json!({})),
+    ] {
+        let r = c.post(&path, body).await.unwrap();
+        assert_eq!(r.status, 404, "{path}: {r:?}");
+    }
+    let r = c.post(&format!("/api/threads/{thread}/messages/1/edit"), json!({"content": "x"})).await.unwrap();
+    assert_eq!((r.status, r.body["error"]["code"].as_str()), (409, Some("run_active")), "{r:?}");
+}

@@ -41,17 +41,21 @@ pub async fn next_batch(conn: &mut AsyncPgConnection, thread_id: Uuid, cursor: i
     Ok(Batch::Events(events))
 }
 
-/// Parses a resume position: the `Last-Event-ID` header wins over `afterSequence`.
+/// Parses a resume position: the `Last-Event-ID` header wins over `afterSequence`. Errors: 400
+/// `invalid_last_event_id` (not an integer ≥ 0), `invalid_query` (a negative `afterSequence`).
 pub fn resume_cursor(req: &actix_web::HttpRequest, after_sequence: Option<i64>) -> Result<Option<i64>, crate::error::ApiError> {
-    let invalid = || crate::error::ApiError::bad_request("invalid_last_event_id", "Last-Event-ID must be an integer");
+    let invalid = || crate::error::ApiError::bad_request("invalid_last_event_id", "Last-Event-ID must be a journal sequence (an integer, 0 or more)");
     // A header that is not even ASCII is refused like any other non-integer, not ignored.
     let header = req.headers().get("Last-Event-ID").map(|v| v.to_str().map_err(|_| invalid())).transpose()?;
     match header {
-        Some(raw) if !raw.trim().is_empty() => raw
-            .trim()
-            .parse::<i64>()
-            .map(Some)
-            .map_err(|_| invalid()),
+        Some(raw) if !raw.trim().is_empty() => match raw.trim().parse::<i64>() {
+            Ok(cursor) if cursor >= 0 => Ok(Some(cursor)),
+            _ => Err(invalid()),
+        },
+        // A journal sequence is never negative: a corrupted cursor is told, not reset.
+        _ if after_sequence.is_some_and(|c| c < 0) => {
+            Err(crate::error::ApiError::bad_request("invalid_query", "afterSequence must be a journal sequence (0 or more)"))
+        }
         _ => Ok(after_sequence),
     }
 }
