@@ -179,8 +179,10 @@ pub async fn regenerate(store: &Store, principal: Uuid, thread_id: Uuid, sequenc
 }
 
 /// Deactivates message `sequence` with its whole tool group. Returns `{deactivated}`.
-pub async fn delete_message(store: &Store, principal: Uuid, thread_id: Uuid, sequence: i64) -> Result<Value, StoreError> {
-    run(store, "agentloop_delete_message", &json!({"principalId": principal, "threadId": thread_id, "sequence": sequence}), Replay::Unsafe).await
+/// 409 `effects_in_branch` when the group holds calls that took effect, unless `repeat_effects`.
+pub async fn delete_message(store: &Store, principal: Uuid, thread_id: Uuid, sequence: i64, repeat_effects: bool) -> Result<Value, StoreError> {
+    let arg = json!({"principalId": principal, "threadId": thread_id, "sequence": sequence, "repeatEffects": repeat_effects});
+    run(store, "agentloop_delete_message", &arg, Replay::Unsafe).await
 }
 
 /// Manual compaction into a child thread. Returns `{thread, run}`.
@@ -221,8 +223,16 @@ pub async fn update_thread(
 /// message that starts the shown alternative, `first_sequence` the first message of the one to
 /// show. Returns `{parentSequence, activated, deactivated}`; 404, 409 `run_active` /
 /// `approval_required`. Not replay-safe (a second call switches back).
-pub async fn activate_branch(store: &Store, principal: Uuid, thread_id: Uuid, sequence: i64, first_sequence: i64) -> Result<Value, StoreError> {
-    let arg = json!({"principalId": principal, "threadId": thread_id, "sequence": sequence, "firstSequence": first_sequence});
+pub async fn activate_branch(
+    store: &Store,
+    principal: Uuid,
+    thread_id: Uuid,
+    sequence: i64,
+    first_sequence: i64,
+    repeat_effects: bool,
+) -> Result<Value, StoreError> {
+    let arg = json!({"principalId": principal, "threadId": thread_id, "sequence": sequence, "firstSequence": first_sequence,
+                     "repeatEffects": repeat_effects});
     run(store, "agentloop_activate_branch", &arg, Replay::Unsafe).await
 }
 

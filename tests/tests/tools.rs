@@ -855,6 +855,12 @@ async fn tools_replacing_calls_that_took_effect_asks_first() {
         assert_eq!((r.status, r.body["error"]["code"].as_str()), (409, Some("effects_in_branch")), "{path}: {r:?}");
         assert!(r.body["error"]["message"].as_str().unwrap().contains("record_effect"), "{r:?}");
     }
+    // Deleting the call's group (from its call or its result) would take it out of the model's
+    // view just the same (acceptance probe G: delete, then regenerate, paid again).
+    for i in [1, 2] {
+        let r = c.send(reqwest::Method::DELETE, &format!("/api/threads/{thread}/messages/{}", seq(i)), None, &[]).await.unwrap();
+        assert_eq!((r.status, r.body["error"]["code"].as_str()), (409, Some("effects_in_branch")), "delete {i}: {r:?}");
+    }
     assert_eq!(messages(&c, &thread).await, before, "a refused command changed the thread");
     let runs: i64 = db.query_one("SELECT count(*) FROM runs", &[]).await.unwrap().get(0);
     assert_eq!(runs, 1, "a refused command enqueued a run");
@@ -862,10 +868,38 @@ async fn tools_replacing_calls_that_took_effect_asks_first() {
     let r = c.post(&format!("/api/threads/{thread}/messages/{}/regenerate", seq(3)), json!({})).await.unwrap();
     assert_eq!(r.status, 202, "{r:?}");
     c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
-    // Asked and confirmed.
-    let r = c.post(&format!("/api/threads/{thread}/messages/{}/edit", seq(0)), json!({"content": "typo fixed", "repeatEffects": true})).await.unwrap();
+    // Asked and confirmed: the delete goes ahead; what it took out no longer asks again.
+    let r = c.send(reqwest::Method::DELETE, &format!("/api/threads/{thread}/messages/{}?repeatEffects=true", seq(1)), None, &[]).await.unwrap();
+    assert_eq!((r.status, r.body["deactivated"].clone()), (200, json!([seq(1), seq(2)])), "{r:?}");
+    let r = c.post(&format!("/api/threads/{thread}/messages/{}/edit", seq(0)), json!({"content": "typo fixed"})).await.unwrap();
     assert_eq!(r.status, 202, "{r:?}");
     c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    // And an edit confirmed with repeatEffects.
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "again"}}]}, {"text": "done"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    c.wait_terminal(&run_id, T).await.unwrap();
+    let first = messages(&c, &thread).await[0]["sequence"].as_i64().unwrap();
+    let r = c.post(&format!("/api/threads/{thread}/messages/{first}/edit"), json!({"content": "typo fixed", "repeatEffects": true})).await.unwrap();
+    assert_eq!(r.status, 202, "{r:?}");
+    let edited = r.body["message"]["sequence"].as_i64().unwrap();
+    c.wait_terminal(r.body["run"]["id"].as_str().unwrap(), T).await.unwrap();
+    // Branch switches: back to the version with the call (nothing that took effect leaves the
+    // view), then away from it again — that asks.
+    let activate = |at: i64, to: i64, confirm: bool| {
+        let mut body = json!({"firstSequence": to});
+        if confirm {
+            body["repeatEffects"] = json!(true);
+        }
+        let (c, path) = (&c, format!("/api/threads/{thread}/messages/{at}/branches/activate"));
+        async move { c.post(&path, body).await }
+    };
+    let r = activate(edited, first, false).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    let r = activate(first, edited, false).await.unwrap();
+    assert_eq!((r.status, r.body["error"]["code"].as_str()), (409, Some("effects_in_branch")), "{r:?}");
+    let r = activate(first, edited, true).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
 }
 
 /// Editing or regenerating a message that does not exist is 404 even while a run is active (it

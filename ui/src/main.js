@@ -168,9 +168,9 @@ function friendly(e) {
     case 'run_active': return 'The agent is still working on this chat. Wait for it, stop it, or queue your message.';
     case 'approval_required': return 'A tool call is waiting for your approval (above). Approve or reject it first.';
     case 'network': return 'The server cannot be reached. Check that agentloop is running.';
-    case 'effects_in_branch': return 'This replaces tool calls that already took effect (or may have): ' +
+    case 'effects_in_branch': return 'This takes tool calls that already took effect (or may have) out of the conversation: ' +
       ((msg.match(/\(([^)]*)\)/) || [])[1] || 'see the thread') +
-      '. They are not undone, and the new answer may make them again.';
+      '. They are not undone, and the model, no longer seeing them, may make them again.';
     default: return msg + (e.code ? ' (' + e.code + ')' : '');
   }
 }
@@ -718,7 +718,9 @@ async function branchOp(V, node, method, path, body) {
     // Replacing calls that took effect: the server asks, the user decides (migration 000037).
     if (e.code === 'effects_in_branch' && !(body && body.repeatEffects) && V.alive &&
         await confirmDialog('Tool calls took effect', friendly(e), 'Go ahead')) {
-      return branchOp(V, node, method, path, Object.assign({}, body, {repeatEffects: true}));
+      return method === 'DELETE'
+        ? branchOp(V, node, method, path + '?repeatEffects=true', body)
+        : branchOp(V, node, method, path, Object.assign({}, body, {repeatEffects: true}));
     }
     if (node.isConnected) actionError(node, e); else showError(e);
     return false;
