@@ -99,8 +99,11 @@ pub fn inexact_number(raw: &str) -> Option<&str> {
 /// True if the JSON number `token` survives `serde_json::Value` unchanged in value.
 pub fn number_is_exact(token: &str) -> bool {
     let integer = !token.contains(['.', 'e', 'E']);
-    if integer && (token.parse::<i64>().is_ok() || token.parse::<u64>().is_ok()) {
-        return true;
+    if integer {
+        // An integer beyond 64 bits becomes a float (`10^30` would reach a tool as `1e+30`, while a
+        // reader with big integers — Python, PostgreSQL — takes the digits as sent: the ledger
+        // and the tool would disagree; verification probe G).
+        return token.parse::<i64>().is_ok() || token.parse::<u64>().is_ok();
     }
     // Parsed as serde_json parses it, then written back in its shortest exact form.
     match serde_json::from_str::<f64>(token) {

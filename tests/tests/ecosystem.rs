@@ -491,7 +491,8 @@ async fn openai_generation_parameters_are_honoured_or_refused() {
     assert_eq!(r.status(), 200, "{:?}", r.text().await);
     let upstream = last_upstream().await;
     assert_eq!((upstream["max_tokens"].as_u64(), upstream["temperature"].as_f64()), (Some(77), Some(0.3)), "{upstream}");
-    let r = send(json!({"max_tokens": 55, "stop": null, "response_format": {"type": "text"}, "tool_choice": "auto", "logprobs": false, "top_p": 1})).await.unwrap();
+    let r = send(json!({"max_tokens": 55, "stop": null, "response_format": {"type": "text"}, "tool_choice": "auto", "logprobs": false,
+                        "top_p": 1, "functions": [], "function_call": "auto", "modalities": ["text"], "audio": null})).await.unwrap();
     assert_eq!(r.status(), 200, "{:?}", r.text().await);
     assert_eq!(last_upstream().await["max_tokens"], 55);
     let requests_before = stack.mock.requests().await.unwrap().len();
@@ -500,6 +501,11 @@ async fn openai_generation_parameters_are_honoured_or_refused() {
         (json!({"response_format": {"type": "json_object"}}), "unsupported_parameter", "response_format"),
         (json!({"tool_choice": "none"}), "unsupported_parameter", "tool_choice"),
         (json!({"logprobs": true}), "unsupported_parameter", "logprobs"),
+        (json!({"top_logprobs": 3}), "unsupported_parameter", "top_logprobs"),
+        (json!({"functions": [{"name": "f", "parameters": {}}]}), "unsupported_parameter", "functions"),
+        (json!({"function_call": "none"}), "unsupported_parameter", "function_call"),
+        (json!({"modalities": ["text", "audio"]}), "unsupported_parameter", "modalities"),
+        (json!({"audio": {"voice": "alloy", "format": "wav"}}), "unsupported_parameter", "audio"),
         (json!({"max_tokens": 0}), "invalid_request", "max_tokens"),
         (json!({"temperature": 3}), "invalid_request", "temperature"),
     ] {

@@ -424,13 +424,13 @@ fn conform_arguments(schema: &Value, args: &mut Map<String, Value>) -> Result<()
                 types.join(" or ")
             ));
         }
-        if types.contains(&"integer")
-            && value.is_f64()
-            && let Some(whole) = value
-                .as_f64()
-                .filter(|f| f.fract() == 0.0 && f.abs() < 9e15)
-        {
-            *value = Value::from(whole as i64);
+        if types.contains(&"integer") && value.is_f64() && !types.contains(&"number") {
+            // A whole float (`2.0`, `1e3`) in an integer field becomes that integer; one beyond
+            // what a 64-bit integer holds exactly would reach the tool as a float (`1e+30`).
+            match value.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9_007_199_254_740_992.0) {
+                Some(whole) => *value = Value::from(whole as i64),
+                None => return Err(format!("field `{key}` must be an integer within 64 bits")),
+            }
         }
     }
     Ok(())
@@ -522,12 +522,21 @@ mod tests {
             let raw = format!(r#"{{"a": {exact}, "s": "1234567890123456789012345"}}"#);
             assert!(parse_arguments(&raw).is_ok(), "{raw}");
         }
-        for rounded in ["18446744073709551616", "18446744073709551617", "-9223372036854775809", "0.12345678901234567891", "12345678901234567.89", "1.00000000000000001"] {
+        for rounded in [
+            "18446744073709551616", "18446744073709551617", "-9223372036854775809", "0.12345678901234567891", "12345678901234567.89",
+            "1.00000000000000001", "1000000000000000000000000000000",
+        ] {
             assert!(!number_is_exact(rounded), "{rounded} would be rounded");
             let raw = format!(r#"{{"note": "a \"quoted\" 1.5", "nested": [1, {{"amount": {rounded}}}]}}"#);
             let problem = parse_arguments(&raw).expect_err(&raw);
             assert!(problem.contains(rounded) && problem.contains("string"), "{problem}");
         }
+        // A whole float in an integer field becomes the integer, unless no 64-bit integer holds
+        // it exactly (`1e30` would reach the tool as `1e+30`: verification probe G).
+        let schema = serde_json::json!({"type": "object", "properties": {"amount": {"type": "integer"}}});
+        assert_eq!(validate_arguments(&schema, &serde_json::json!({"amount": 2.0})).unwrap(), serde_json::json!({"amount": 2}));
+        let problem = validate_arguments(&schema, &serde_json::json!({"amount": 1e30})).unwrap_err();
+        assert!(problem.contains("within 64 bits"), "{problem}");
     }
 
     /// Returns `text` repeated `times` times, or fails with `text` when `fail` is true.

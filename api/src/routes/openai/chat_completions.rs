@@ -56,7 +56,8 @@ pub struct StreamOptions {
 
 /// The request (OpenAI Chat Completions). `max_completion_tokens` (or the older `max_tokens`)
 /// and `temperature` are the run's generation settings (the hidden thread's `maxTokens` and
-/// `temperature`). `stop`, `response_format`, `tool_choice` and `logprobs` other than their
+/// `temperature`). `stop`, `response_format`, `tool_choice`, `logprobs` / `top_logprobs`,
+/// `modalities`, `audio` and the deprecated `functions` / `function_call` other than their
 /// defaults would change the answer's contract and are refused (400 `unsupported_parameter`);
 /// other fields (`top_p`, `seed`, penalties, `user`, ...) are accepted and ignored.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -103,6 +104,25 @@ pub struct ChatCompletionRequest {
     /// Only `false`.
     #[serde(default)]
     pub logprobs: Option<bool>,
+    /// Only absent or `null`.
+    #[serde(default)]
+    pub top_logprobs: Option<Value>,
+    /// The deprecated form of `tools`: only absent or empty (send `tools`).
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub functions: Option<Value>,
+    /// The deprecated form of `tool_choice`: only `"auto"`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub function_call: Option<Value>,
+    /// Only `["text"]`.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<String>>)]
+    pub modalities: Option<Value>,
+    /// Only absent or `null` (no audio output).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub audio: Option<Value>,
 }
 
 impl ChatCompletionRequest {
@@ -121,8 +141,22 @@ impl ChatCompletionRequest {
         if self.tool_choice.as_ref().is_some_and(|c| !c.is_null() && c != "auto") {
             return unsupported("tool_choice", "the model always chooses (\"auto\")");
         }
-        if self.logprobs == Some(true) {
-            return unsupported("logprobs", "log probabilities are not returned");
+        if self.logprobs == Some(true) || self.top_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+            let param = if self.logprobs == Some(true) { "logprobs" } else { "top_logprobs" };
+            return unsupported(param, "log probabilities are not returned");
+        }
+        // The deprecated function-calling fields and the output modalities: the same rule.
+        if self.functions.as_ref().is_some_and(|f| !(f.is_null() || f.as_array().is_some_and(Vec::is_empty))) {
+            return unsupported("functions", "send client functions as `tools`");
+        }
+        if self.function_call.as_ref().is_some_and(|c| !c.is_null() && c != "auto") {
+            return unsupported("function_call", "the model always chooses (\"auto\")");
+        }
+        if self.modalities.as_ref().is_some_and(|m| !m.is_null() && m != &json!(["text"])) {
+            return unsupported("modalities", "answers are text");
+        }
+        if self.audio.as_ref().is_some_and(|a| !a.is_null()) {
+            return unsupported("audio", "answers are text");
         }
         let mut settings = serde_json::Map::new();
         let (param, max) = match (self.max_completion_tokens, self.max_tokens) {
