@@ -29,4 +29,28 @@ BEGIN
     PERFORM agentloop_notify(ARRAY[v_thread]);
     RETURN jsonb_build_object('purged', v_purged, 'gone', v_purged);
 END $$;
+CREATE OR REPLACE FUNCTION agentloop_openai_sweep(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    q record;
+    v_purged int := 0;
+    v_pending int := 0;
+    v_threads uuid[] := '{}';
+BEGIN
+    FOR q IN SELECT thread_id FROM openai_requests WHERE expires_at < now()
+              ORDER BY expires_at LIMIT coalesce((p ->> 'limit')::int, 100) LOOP
+        PERFORM 1 FROM threads WHERE id = q.thread_id FOR NO KEY UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+        IF agentloop_openai_release(q.thread_id, false) THEN
+            v_purged := v_purged + 1;
+        ELSE
+            v_pending := v_pending + 1;
+            v_threads := v_threads || q.thread_id;
+        END IF;
+    END LOOP;
+    PERFORM agentloop_notify(v_threads);
+    RETURN jsonb_build_object(
+        'purged', v_purged, 'pending', v_pending,
+        'nextExpiryMs', (SELECT greatest((extract(epoch FROM (min(expires_at) - now())) * 1000)::bigint, 0)
+                           FROM openai_requests WHERE expires_at >= now()));
+END $$;
 ALTER TABLE openai_requests DROP COLUMN command_id, DROP COLUMN attachment;

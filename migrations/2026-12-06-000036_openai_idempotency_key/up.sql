@@ -9,9 +9,10 @@
 --   and only the newest one ends the request (`agentloop_openai_finish` with `attachment`);
 -- - the request's outcome (`{status, body}`: the completion or the error) is kept on the receipt
 --   when it ends, and a later resend gets it again (receipts live RECEIPT_RETENTION_HOURS);
--- - a resend of a request whose api died (the sweep ended it, nothing was recorded) is refused
---   `request_interrupted` when its thread was kept as the record of an effect, and runs again
---   when nothing of it was kept (it had no effect);
+-- - a keyed request whose api died is not cancelled by the sweep while its run goes on (up to
+--   600 s); a resend attaches to it, or — the run ended, nothing recorded — gets the outcome read
+--   from the thread when it was kept (the run's answer, or its error; `request_interrupted` when
+--   it was cancelled), and runs again when nothing of it was kept (it had no effect);
 -- - the same key with another request body is 409 `idempotency_conflict`.
 
 ALTER TABLE openai_requests ADD COLUMN command_id text, ADD COLUMN attachment int NOT NULL DEFAULT 1;
@@ -107,4 +108,44 @@ BEGIN
     v_purged := agentloop_openai_release(v_thread, coalesce((p ->> 'delivered')::boolean, true));
     PERFORM agentloop_notify(ARRAY[v_thread]);
     RETURN jsonb_build_object('purged', v_purged, 'gone', v_purged);
+END $$;
+
+-- As in 000029, but a keyed request whose api is gone keeps its run going (see below), and
+-- p.spareMs spares leases that expired during a database outage the caller saw.
+CREATE OR REPLACE FUNCTION agentloop_openai_sweep(p jsonb) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    q record;
+    v_purged int := 0;
+    v_pending int := 0;
+    v_threads uuid[] := '{}';
+BEGIN
+    -- p.spareMs: leases that expired less than this long ago are left (the caller's database
+    -- outage ended recently: the apis renew them now).
+    FOR q IN SELECT thread_id, command_id, created_at FROM openai_requests
+              WHERE expires_at < now() - make_interval(secs => coalesce((p ->> 'spareMs')::bigint, 0) / 1000.0)
+              ORDER BY expires_at LIMIT coalesce((p ->> 'limit')::int, 100) LOOP
+        PERFORM 1 FROM threads WHERE id = q.thread_id FOR NO KEY UPDATE SKIP LOCKED;
+        CONTINUE WHEN NOT FOUND;
+        -- A keyed request whose api is gone (dead or paused past its lease): its run goes on
+        -- for the resend, as when its client goes away, up to the request's own bound (600 s,
+        -- MAX_WAIT); looked at again in 5 s. A resend attaches to it, or gets its outcome from
+        -- the thread once it ended (verification probe G: the sweep cut keyed runs).
+        IF q.command_id IS NOT NULL AND q.created_at > now() - interval '600 seconds'
+           AND EXISTS (SELECT 1 FROM runs WHERE thread_id = q.thread_id
+                        AND status IN ('pending', 'queued', 'running', 'waiting_approval', 'waiting_authorization', 'blocked')) THEN
+            UPDATE openai_requests SET expires_at = now() + interval '5 seconds' WHERE thread_id = q.thread_id;
+            CONTINUE;
+        END IF;
+        IF agentloop_openai_release(q.thread_id, false) THEN
+            v_purged := v_purged + 1;
+        ELSE
+            v_pending := v_pending + 1;
+            v_threads := v_threads || q.thread_id;
+        END IF;
+    END LOOP;
+    PERFORM agentloop_notify(v_threads);
+    RETURN jsonb_build_object(
+        'purged', v_purged, 'pending', v_pending,
+        'nextExpiryMs', (SELECT greatest((extract(epoch FROM (min(expires_at) - now())) * 1000)::bigint, 0)
+                           FROM openai_requests WHERE expires_at >= now()));
 END $$;

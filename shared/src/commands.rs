@@ -360,7 +360,11 @@ pub async fn openai_cancel(store: &Store, principal: Uuid, thread_id: Uuid) -> R
 
 /// The workers' sweep of abandoned hidden threads (`agentloop_openai_sweep`): `(purged,
 /// still pending, ms until the earliest lease of a held request expires)`.
-pub async fn openai_sweep(store: &Store, limit: i64) -> Result<(i64, i64, Option<i64>), StoreError> {
-    let value = run(store, "agentloop_openai_sweep", &json!({"limit": limit}), Replay::Safe).await?;
+///
+/// `spare`: leases that expired less than this long ago are left (after an outage, see
+/// `worker/src/hidden_threads.rs`).
+pub async fn openai_sweep(store: &Store, limit: i64, spare: std::time::Duration) -> Result<(i64, i64, Option<i64>), StoreError> {
+    let arg = json!({"limit": limit, "spareMs": spare.as_millis() as u64});
+    let value = run(store, "agentloop_openai_sweep", &arg, Replay::Safe).await?;
     Ok((value["purged"].as_i64().unwrap_or(0), value["pending"].as_i64().unwrap_or(0), value["nextExpiryMs"].as_i64()))
 }

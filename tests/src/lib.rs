@@ -359,20 +359,7 @@ impl Stack {
         };
         let api_db_url = via(options.api_through_proxy);
         let port = free_port();
-        let mut cmd = Command::new(bin("agentloop-api"));
-        cmd.arg("run")
-            .env("DATABASE_URL", &api_db_url)
-            .env("API_LISTEN", format!("127.0.0.1:{port}"))
-            .env("MODEL_BASE_URL", format!("{}/v1", mock.url))
-            .env("MODEL_NAME", "mock")
-            .env("API_WORKERS", "2")
-            .env("DB_POOL_SIZE", "8")
-            .env("RUST_LOG", "info")
-            .envs(GENEROUS_LIMITS.iter().copied());
-        for (k, v) in &options.api_env {
-            cmd.env(k, v);
-        }
-        let api = spawn_logged(test, "api", cmd)?;
+        let api = spawn_logged(test, "api", api_command(&api_db_url, port, &mock.url, &options.api_env))?;
         let api_url = format!("http://127.0.0.1:{port}");
         let mut stack = Self {
             test: test.to_owned(),
@@ -391,6 +378,20 @@ impl Stack {
         }
         stack.wait_ready(Duration::from_secs(20)).await?;
         Ok(stack)
+    }
+
+    /// Kills the api process (SIGKILL) and starts a new one with the same settings on the same
+    /// port; returns when it is ready.
+    pub async fn restart_api(&mut self) -> Result<()> {
+        self.api.signal(Sig::SIGKILL);
+        let port: u16 = self.api_url.rsplit(':').next().and_then(|p| p.parse().ok()).context("the api's port")?;
+        let db_url = match (&self.proxy, self.options.api_through_proxy) {
+            (Some(p), true) => p.url(&self.db.url),
+            _ => self.db.url.clone(),
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        self.api = spawn_logged(&self.test, "api-restarted", api_command(&db_url, port, &self.mock.url, &self.options.api_env))?;
+        self.wait_ready(Duration::from_secs(20)).await
     }
 
     /// Starts one more worker process with the stack's worker environment plus `extra`;
@@ -444,6 +445,25 @@ impl Stack {
         let key = create_key(&self.db.url, name)?;
         Ok(Client { base: self.api_url.clone(), key: Some(key), http: test_http() })
     }
+}
+
+/// The api's command: `run` on `127.0.0.1:port` against `db_url`, the mock model at `mock_url`,
+/// generous limits, then `extra` environment.
+fn api_command(db_url: &str, port: u16, mock_url: &str, extra: &[(String, String)]) -> Command {
+    let mut cmd = Command::new(bin("agentloop-api"));
+    cmd.arg("run")
+        .env("DATABASE_URL", db_url)
+        .env("API_LISTEN", format!("127.0.0.1:{port}"))
+        .env("MODEL_BASE_URL", format!("{mock_url}/v1"))
+        .env("MODEL_NAME", "mock")
+        .env("API_WORKERS", "2")
+        .env("DB_POOL_SIZE", "8")
+        .env("RUST_LOG", "info")
+        .envs(GENEROUS_LIMITS.iter().copied());
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    cmd
 }
 
 /// `host:port` of a `postgres://[user@]host:port/db` URL.

@@ -160,6 +160,12 @@ impl Proxy {
         self.cut_all();
     }
 
+    /// The server is back after [`Self::go_down`]: new connections are accepted again (freezes
+    /// and rules stay).
+    pub fn come_up(&self) {
+        self.shared.refusing.store(false, Ordering::Release);
+    }
+
     /// Forward everything again: accepts new connections, unfreezes every connection and drops
     /// every pending rule.
     pub fn pass(&self) {

@@ -555,6 +555,102 @@ async fn openai_a_database_outage_while_waiting_is_waited_out() {
     assert_eq!(answer["choices"][0]["message"]["content"], "paid", "{answer}");
 }
 
+/// A database outage longer than the apis' request lease does not make the workers' sweep
+/// cancel requests whose api is alive and waiting: after the outage it spares leases that
+/// expired meanwhile until the apis renew them (verification probe G: a request paid, then was
+/// answered 502 `cancelled`).
+#[tokio::test]
+async fn openai_an_outage_longer_than_the_request_lease_cancels_nothing() {
+    let options = StackOptions {
+        api_env: vec![("OPENAI_REQUEST_LEASE_MS".into(), "1500".into())],
+        worker_env: vec![
+            ("HIDDEN_THREAD_SWEEP_MS".into(), "300".into()),
+            ("OPENAI_REQUEST_LEASE_MS".into(), "1500".into()),
+            ("AGENTLOOP_TEST_TOOLS".into(), "1".into()),
+        ],
+        api_through_proxy: true,
+        workers_through_proxy: true,
+        ..Default::default()
+    };
+    let stack = Stack::start("ecosystem_v1_long_outage", options).await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    let proxy = stack.proxy.as_ref().unwrap();
+    let url = format!("{}/v1/chat/completions", stack.api_url);
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "long"}}]}, {"text": "paid", "delayMs": 6000}]);
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
+    let request = reqwest::Client::new().post(&url).bearer_auth(&stack.key).json(&body).send();
+    let outage = async {
+        while db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = 'long'", &[]).await.unwrap().get::<_, i64>(0) == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Everyone's database goes away for 4 s: more than twice the request lease. When it is
+        // back, the api's first renewal is held 3 s more (the sweep runs every 300 ms), so the
+        // sweep meets the expired lease of a live api, as it can after any outage.
+        proxy.go_down();
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        proxy.freeze_new(agentloop_tests::proxy::FreezeAt::ClientSends(b"agentloop_openai_renew".to_vec()));
+        proxy.come_up();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        proxy.pass();
+        std::future::pending::<()>().await
+    };
+    let r = tokio::select! {
+        r = request => r.unwrap(),
+        () = outage => unreachable!(),
+    };
+    let status = r.status();
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["choices"][0]["message"]["content"], "paid", "{answer}");
+}
+
+/// A keyed `/v1` request whose api dies before anything took effect: the sweep leaves its run
+/// going (as when its client goes away), the run pays once and completes, and a resend to the
+/// restarted api gets that run's answer — not `request_interrupted` (verification probe G: the
+/// sweep cut keyed runs, or every resend after it was refused although the run had completed).
+#[tokio::test]
+async fn openai_a_keyed_request_outlives_its_api() {
+    let options = StackOptions {
+        api_env: vec![("OPENAI_REQUEST_LEASE_MS".into(), "1500".into())],
+        worker_env: vec![("HIDDEN_THREAD_SWEEP_MS".into(), "300".into()), ("AGENTLOOP_TEST_TOOLS".into(), "1".into())],
+        ..Default::default()
+    };
+    let mut stack = Stack::start("ecosystem_v1_key_api_died", options).await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    let http = reqwest::Client::new();
+    // The model thinks for 4 s, then pays, then answers.
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "late"}}], "delayMs": 4000}, {"text": "paid late"}]);
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
+    let key = stack.key.clone();
+    let post = |url: String| http.post(format!("{url}/v1/chat/completions")).bearer_auth(&key).header("Idempotency-Key", "late-1").json(&body).send();
+    let first = post(stack.api_url.clone());
+    tokio::select! {
+        r = first => panic!("answered before the api died: {r:?}"),
+        () = tokio::time::sleep(Duration::from_millis(1000)) => {}
+    }
+    stack.restart_api().await.unwrap(); // SIGKILL, then a new process
+    // The lease (1.5 s) expires long before the run ends (4 s); the run is left going.
+    let deadline = Instant::now() + T;
+    loop {
+        let done: i64 = db.query_one("SELECT count(*) FROM runs WHERE status = 'completed'", &[]).await.unwrap().get(0);
+        if done == 1 {
+            break;
+        }
+        let cancelled: i64 = db.query_one("SELECT count(*) FROM runs WHERE status = 'cancelled'", &[]).await.unwrap().get(0);
+        assert_eq!(cancelled, 0, "the sweep cancelled the keyed run");
+        assert!(Instant::now() < deadline, "the run did not complete");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    wait_no_hidden(&stack, Duration::from_secs(10)).await;
+    let r = post(stack.api_url.clone()).await.unwrap();
+    let status = r.status();
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["choices"][0]["message"]["content"], "paid late", "{answer}");
+    let effects: i64 = db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = 'late'", &[]).await.unwrap().get(0);
+    assert_eq!(effects, 1);
+}
+
 /// The api process dies mid-stream: its request leases expire and the workers' sweep cancels the
 /// run and deletes the hidden thread.
 #[tokio::test]

@@ -153,6 +153,11 @@ pub struct WorkerConfig {
     #[arg(long, env = "HIDDEN_THREAD_SWEEP_MS", default_value = "10000", value_parser = parse_millis)]
     pub hidden_thread_sweep: Duration,
 
+    /// The apis' lease of an OpenAI-endpoint request in ms (set it as on the apis): after a
+    /// database outage the sweep spares leases that expired since it began plus this long.
+    #[arg(long, env = "OPENAI_REQUEST_LEASE_MS", default_value = "30000", value_parser = parse_millis)]
+    pub openai_request_lease: Duration,
+
     #[command(flatten)]
     pub webhooks: agentloop_shared::webhooks::WebhookArgs,
 

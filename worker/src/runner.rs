@@ -165,7 +165,14 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     if config.metrics_listen.is_some() {
         tokio::spawn(crate::maintenance::sample(maintenance_pool.clone(), stop.clone()));
     }
-    tokio::spawn(crate::hidden_threads::run(store.clone(), config.hidden_thread_sweep, stop.clone()));
+    tokio::spawn(crate::hidden_threads::run(
+        store.clone(),
+        config.hidden_thread_sweep,
+        config.openai_request_lease,
+        config.lease,
+        outages.clone(),
+        stop.clone(),
+    ));
     // Webhook deliveries: woken by the outbox trigger's notification on the same listener.
     let webhook_wake = Arc::new(tokio::sync::Notify::new());
     let secrets_key = config.webhooks.secrets_key().context("WEBHOOK_SECRETS_KEY")?.map(Arc::new);

@@ -244,15 +244,7 @@ pub async fn chat_completions(
         Started::Open(request) => request,
         Started::Replay(recorded) => return Ok(actix_web::Either::Left(replay(&req, &recorded, stream, include_usage))),
         Started::Interrupted { thread_id, run_id } => {
-            return Ok(actix_web::Either::Left(final_error(&V1Error {
-                status: actix_web::http::StatusCode::BAD_GATEWAY,
-                code: "request_interrupted".into(),
-                message: format!(
-                    "the request first sent with this Idempotency-Key was interrupted (its server stopped) after its tool calls \
-                     took effect; it is not run again. Thread {thread_id} (run {run_id}) holds what happened"
-                ),
-                param: None,
-            })));
+            return Ok(actix_web::Either::Left(interrupted(&state.pool, &req, thread_id, run_id, stream, include_usage).await));
         }
     };
     let chunker = super::stream::Chunker::new(request.run_id, &request.model, include_usage);
@@ -314,6 +306,40 @@ pub async fn ended(pool: &PgPool, chunker: &super::stream::Chunker, thread_id: U
         error.message = super::uncertain_message(&error.message, thread_id, run_id);
     }
     Err(error)
+}
+
+/// The answer to a resend of a keyed request that ended without its outcome recorded (its api
+/// died; its thread was kept as the record of an effect): the run's answer or error read from
+/// the thread, or 502 `request_interrupted` when the run was cut short (cancelled).
+async fn interrupted(
+    pool: &PgPool,
+    req: &actix_web::HttpRequest,
+    thread_id: Uuid,
+    run_id: Uuid,
+    stream: bool,
+    include_usage: bool,
+) -> HttpResponse {
+    let run = match pool.get().await {
+        Ok(mut conn) => runs::get(&mut conn, run_id).await.map_err(V1Error::from),
+        Err(e) => Err(V1Error::from(e)),
+    };
+    let outcome = match run {
+        Ok(run) if run.is_terminal() && run.status != status::CANCELLED => {
+            let chunker = super::stream::Chunker::new(run_id, &run.model, include_usage);
+            ended(pool, &chunker, thread_id, run_id, &run).await
+        }
+        Ok(_) => Err(V1Error {
+            status: actix_web::http::StatusCode::BAD_GATEWAY,
+            code: "request_interrupted".into(),
+            message: format!(
+                "the request first sent with this Idempotency-Key was interrupted (its server stopped) after its tool calls \
+                 took effect; it is not run again. Thread {thread_id} (run {run_id}) holds what happened"
+            ),
+            param: None,
+        }),
+        Err(e) => return e.error_response(),
+    };
+    replay(req, &recorded(&outcome), stream, include_usage)
 }
 
 /// A request's outcome as kept on its receipt for resends of its key: `{status, body}`.
