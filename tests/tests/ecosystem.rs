@@ -528,31 +528,42 @@ async fn openai_a_database_outage_while_waiting_is_waited_out() {
         ..Default::default()
     };
     let stack = Stack::start("ecosystem_v1_outage", options).await.unwrap();
-    let db = stack.db.client().await.unwrap();
     let proxy = stack.proxy.as_ref().unwrap();
-    let url = format!("{}/v1/chat/completions", stack.api_url);
-    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "outage"}}]}, {"text": "paid", "delayMs": 1500}]);
-    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
-    let request = reqwest::Client::new().post(&url).bearer_auth(&stack.key).json(&body).send();
-    let outage = async {
-        while db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = 'outage'", &[]).await.unwrap().get::<_, i64>(0) == 0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        // The api's database goes down (its connections cut, new ones refused) for 6 s; the
-        // worker's does not, and its run completes meanwhile.
+    // The api's database goes down (its connections cut, new ones refused) for 6 s; the worker's
+    // does not, and its run completes meanwhile.
+    let answer = paid_through(&stack, "outage", 1500, async {
         proxy.go_down();
         tokio::time::sleep(Duration::from_secs(6)).await;
         proxy.pass();
+    })
+    .await;
+    assert_eq!(answer["choices"][0]["message"]["content"], "paid", "{answer}");
+}
+
+/// Sends a `/v1` request whose run pays (`record_effect` with `label`), then answers "paid"
+/// after `delay_ms`; runs `fault` once the payment is recorded; returns the answer, which must
+/// be a 200.
+async fn paid_through(stack: &Stack, label: &str, delay_ms: u64, fault: impl std::future::Future<Output = ()>) -> Value {
+    let db = stack.db.client().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": label}}]}, {"text": "paid", "delayMs": delay_ms}]);
+    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
+    let url = format!("{}/v1/chat/completions", stack.api_url);
+    let request = reqwest::Client::new().post(&url).bearer_auth(&stack.key).json(&body).send();
+    let fault = async {
+        while db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = $1", &[&label]).await.unwrap().get::<_, i64>(0) == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        fault.await;
         std::future::pending::<()>().await
     };
     let r = tokio::select! {
         r = request => r.unwrap(),
-        () = outage => unreachable!(),
+        () = fault => unreachable!(),
     };
     let status = r.status();
     let answer: Value = r.json().await.unwrap();
     assert_eq!(status, 200, "{answer}");
-    assert_eq!(answer["choices"][0]["message"]["content"], "paid", "{answer}");
+    answer
 }
 
 /// A database outage longer than the apis' request lease does not make the workers' sweep
@@ -573,34 +584,19 @@ async fn openai_an_outage_longer_than_the_request_lease_cancels_nothing() {
         ..Default::default()
     };
     let stack = Stack::start("ecosystem_v1_long_outage", options).await.unwrap();
-    let db = stack.db.client().await.unwrap();
     let proxy = stack.proxy.as_ref().unwrap();
-    let url = format!("{}/v1/chat/completions", stack.api_url);
-    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "long"}}]}, {"text": "paid", "delayMs": 6000}]);
-    let body = json!({"model": "mock", "messages": [{"role": "user", "content": script(steps)}]});
-    let request = reqwest::Client::new().post(&url).bearer_auth(&stack.key).json(&body).send();
-    let outage = async {
-        while db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = 'long'", &[]).await.unwrap().get::<_, i64>(0) == 0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        // Everyone's database goes away for 4 s: more than twice the request lease. When it is
-        // back, the api's first renewal is held 3 s more (the sweep runs every 300 ms), so the
-        // sweep meets the expired lease of a live api, as it can after any outage.
+    // Everyone's database goes away for 4 s: more than twice the request lease. When it is back,
+    // the api's first renewal is held 3 s more (the sweep runs every 300 ms), so the sweep meets
+    // the expired lease of a live api, as it can after any outage.
+    let answer = paid_through(&stack, "long", 6000, async {
         proxy.go_down();
         tokio::time::sleep(Duration::from_secs(4)).await;
         proxy.freeze_new(agentloop_tests::proxy::FreezeAt::ClientSends(b"agentloop_openai_renew".to_vec()));
         proxy.come_up();
         tokio::time::sleep(Duration::from_secs(3)).await;
         proxy.pass();
-        std::future::pending::<()>().await
-    };
-    let r = tokio::select! {
-        r = request => r.unwrap(),
-        () = outage => unreachable!(),
-    };
-    let status = r.status();
-    let answer: Value = r.json().await.unwrap();
-    assert_eq!(status, 200, "{answer}");
+    })
+    .await;
     assert_eq!(answer["choices"][0]["message"]["content"], "paid", "{answer}");
 }
 

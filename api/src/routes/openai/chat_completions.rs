@@ -377,12 +377,7 @@ fn replay(req: &actix_web::HttpRequest, recorded: &Value, stream: bool, include_
                 events.push(chunker.chunk(json!({"content": text}), None));
             }
             if let Some(calls) = message["tool_calls"].as_array() {
-                let calls: Vec<Value> = calls
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| json!({"index": i, "id": c["id"], "type": "function", "function": c["function"]}))
-                    .collect();
-                events.push(chunker.chunk(json!({"tool_calls": calls}), None));
+                events.push(chunker.tool_calls(calls));
             }
             events.push(chunker.chunk(json!({}), body["choices"][0]["finish_reason"].as_str()));
             if include_usage {

@@ -66,6 +66,17 @@ impl Chunker {
         Self::event(&chunk)
     }
 
+    /// The chunk of a completion's client-side `calls` (`{id, type, function}`), each with its
+    /// `index`.
+    pub fn tool_calls(&self, calls: &[Value]) -> sse::Event {
+        let calls: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| json!({"index": i, "id": c["id"], "type": "function", "function": c["function"]}))
+            .collect();
+        self.chunk(json!({"tool_calls": calls}), None)
+    }
+
     /// The usage chunk (`choices: []`).
     pub fn usage(&self, prompt: i64, completion: i64) -> sse::Event {
         Self::event(&json!({
@@ -284,12 +295,7 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
         Some(End::Completed { prompt, completion }) => {
             let mut events = Vec::new();
             if !client_calls.is_empty() {
-                let calls: Vec<Value> = client_calls
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| json!({"index": i, "id": c["id"], "type": "function", "function": c["function"]}))
-                    .collect();
-                events.push(chunker.chunk(json!({"tool_calls": calls}), None));
+                events.push(chunker.tool_calls(&client_calls));
             }
             let finish = if client_calls.is_empty() { cut.as_deref().unwrap_or("stop") } else { "tool_calls" };
             events.push(chunker.chunk(json!({}), Some(finish)));
