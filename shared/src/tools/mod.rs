@@ -384,8 +384,10 @@ fn conform(schema: &Value, mut args: Map<String, Value>) -> Result<Value, String
     Ok(args)
 }
 
-/// Parses the model's argument text into an object (empty or blank text is `{}`).
-fn parse_arguments(raw: &str) -> Result<Map<String, Value>, String> {
+/// Parses argument text — the model's, or a user's edit sent as text — into an object (empty
+/// or blank text is `{}`); refuses a number the tool would receive rounded
+/// ([`crate::text::inexact_number`]).
+pub fn parse_arguments(raw: &str) -> Result<Map<String, Value>, String> {
     if raw.trim().is_empty() {
         return Ok(Map::new());
     }

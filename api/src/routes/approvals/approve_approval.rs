@@ -57,20 +57,10 @@ pub async fn approve(state: &AppState, principal: Uuid, approval_id: Uuid, argum
         None | Some(Value::Null) => None,
         Some(raw) => {
             let value = match raw {
-                Value::String(text) => {
-                    let value = serde_json::from_str::<Value>(&text)
-                        .map_err(|e| ApiError::bad_request("invalid_arguments", format!("arguments are not valid JSON: {e}")))?;
-                    // The tool would receive it rounded (the same rule as a model's arguments
-                    // and every request body: agentloop_shared::text::inexact_number).
-                    if let Some(number) = agentloop_shared::text::inexact_number(&text) {
-                        let shown: String = number.chars().take(80).collect();
-                        return Err(ApiError::bad_request(
-                            "invalid_arguments",
-                            format!("the number {shown} has more digits than a tool's arguments carry exactly; send it as a string"),
-                        ));
-                    }
-                    value
-                }
+                // Edited arguments sent as text are read as the model's are.
+                Value::String(text) => Value::Object(tools::parse_arguments(&text).map_err(|problem| {
+                    ApiError::bad_request("invalid_arguments", format!("invalid arguments for {}: {problem}", approval.tool_name))
+                })?),
                 other => other,
             };
             let valid = tools::validate_arguments(&approval.parameters, &value).map_err(|problem| {

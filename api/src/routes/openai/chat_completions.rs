@@ -319,11 +319,7 @@ async fn interrupted(
     stream: bool,
     include_usage: bool,
 ) -> HttpResponse {
-    let run = match pool.get().await {
-        Ok(mut conn) => runs::get(&mut conn, run_id).await.map_err(V1Error::from),
-        Err(e) => Err(V1Error::from(e)),
-    };
-    let outcome = match run {
+    let outcome = match run_of(pool, run_id).await {
         Ok(run) if run.is_terminal() && run.status != status::CANCELLED => {
             let chunker = super::stream::Chunker::new(run_id, &run.model, include_usage);
             ended(pool, &chunker, thread_id, run_id, &run).await
@@ -340,6 +336,12 @@ async fn interrupted(
         Err(e) => return e.error_response(),
     };
     replay(req, &recorded(&outcome), stream, include_usage)
+}
+
+/// The run `run_id` (504 `request_expired` when the sweep removed it).
+pub async fn run_of(pool: &PgPool, run_id: Uuid) -> Result<Run, V1Error> {
+    let mut conn = pool.get().await?;
+    Ok(runs::get(&mut conn, run_id).await?)
 }
 
 /// A request's outcome as kept on its receipt for resends of its key: `{status, body}`.
@@ -499,14 +501,11 @@ pub async fn wait_for_end(pool: &PgPool, store: &Store, hub: &Hub, principal: Uu
 /// The run once it ended (`None` while it runs); one waiting for a human is cancelled first
 /// (see [`wait_for_end`]).
 async fn settled(pool: &PgPool, store: &Store, principal: Uuid, thread_id: Uuid, run_id: Uuid) -> Result<Option<Run>, V1Error> {
-    let mut conn = pool.get().await?;
-    let mut current = runs::get(&mut conn, run_id).await?;
-    drop(conn);
+    let mut current = run_of(pool, run_id).await?;
     if matches!(current.status.as_str(), status::BLOCKED | status::WAITING_APPROVAL) {
         let error = (current.error_code.clone(), current.error_message.clone());
         agentloop_shared::commands::openai_cancel(store, principal, thread_id).await?;
-        let mut conn = pool.get().await?;
-        current = runs::get(&mut conn, run_id).await?;
+        current = run_of(pool, run_id).await?;
         (current.error_code, current.error_message) = error;
         current.error_code.get_or_insert_with(|| "operation_uncertain".into());
     }
@@ -556,7 +555,7 @@ pub fn usage(run_prompt: i64, run_completion: i64) -> Value {
     json!({"prompt_tokens": run_prompt, "completion_tokens": run_completion, "total_tokens": run_prompt + run_completion})
 }
 
-pub fn completion(chunker: &super::stream::Chunker, answer: &Answer, prompt_tokens: i64, completion_tokens: i64) -> Value {
+fn completion(chunker: &super::stream::Chunker, answer: &Answer, prompt_tokens: i64, completion_tokens: i64) -> Value {
     let calls = !answer.tool_calls.is_empty();
     let mut message = json!({
         "role": "assistant",

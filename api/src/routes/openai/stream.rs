@@ -151,8 +151,6 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
     let deadline = tokio::time::Instant::now() + super::chat_completions::MAX_WAIT;
     let mut cursor = 0i64;
     let mut text = Text::default();
-    // Everything sent as `delta.content` (the non-streaming answer's `content`).
-    let mut content = String::new();
     let mut client_calls: Vec<Value> = Vec::new();
     // The provider's `finish_reason` when it cut the last answer (`length`, ...).
     let mut cut: Option<String> = None;
@@ -248,11 +246,10 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
                 }
                 _ => None,
             };
-            if let Some(delta) = delta {
-                content.push_str(&delta);
-                if tx.send(chunker.chunk(json!({"content": delta}), None)).await.is_err() {
-                    return;
-                }
+            if let Some(delta) = delta
+                && tx.send(chunker.chunk(json!({"content": delta}), None)).await.is_err()
+            {
+                return;
             }
             if end.is_some() {
                 break 'outer;
@@ -272,24 +269,25 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
         }
     }
     let answered = matches!(end, Some(End::Completed { .. }));
-    // A keyed request's outcome, for resends of its key (the completion as a non-streaming
-    // request would have answered it).
-    let response = if !request.keyed() {
-        None
-    } else {
-        match &end {
-            Some(End::Completed { prompt, completion }) => {
-                let answer = super::chat_completions::Answer { content: content.clone(), tool_calls: client_calls.clone(), cut: cut.clone() };
-                Some(super::chat_completions::recorded(&Ok(super::chat_completions::completion(&chunker, &answer, *prompt, *completion))))
-            }
-            Some(End::Failed { code, message }) => Some(super::chat_completions::recorded(&Err(super::V1Error {
-                status: actix_web::http::StatusCode::BAD_GATEWAY,
-                code: code.clone(),
-                message: message.clone(),
-                param: None,
-            }))),
-            None => None,
+    // A keyed request's outcome, for resends of its key: what a non-streaming request would
+    // have answered, read the same way (`ended`).
+    let response = match &end {
+        Some(ended) if request.keyed() => {
+            let result = match ended {
+                End::Completed { .. } => match super::chat_completions::run_of(&state.pool, request.run_id).await {
+                    Ok(run) => super::chat_completions::ended(&state.pool, &chunker, request.thread_id, request.run_id, &run).await,
+                    Err(e) => Err(e),
+                },
+                End::Failed { code, message } => Err(super::V1Error {
+                    status: actix_web::http::StatusCode::BAD_GATEWAY,
+                    code: code.clone(),
+                    message: message.clone(),
+                    param: None,
+                }),
+            };
+            Some(super::chat_completions::recorded(&result))
         }
+        _ => None,
     };
     match end {
         Some(End::Completed { prompt, completion }) => {
