@@ -358,13 +358,20 @@ pub async fn openai_cancel(store: &Store, principal: Uuid, thread_id: Uuid) -> R
     run(store, "agentloop_openai_cancel", &json!({"principalId": principal, "threadId": thread_id}), Replay::Safe).await
 }
 
+/// How long [`openai_sweep`] retries transient faults.
+pub const SWEEP_RETRY: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// The workers' sweep of abandoned hidden threads (`agentloop_openai_sweep`): `(purged,
 /// still pending, ms until the earliest lease of a held request expires)`.
 ///
 /// `spare`: leases that expired less than this long ago are left (after an outage, see
 /// `worker/src/hidden_threads.rs`).
+///
+/// Not retried through an outage (one short window, [`SWEEP_RETRY`]): `spare` is decided when
+/// the call is sent, and a call that waited out an outage would sweep with the spare of before
+/// it — the failure is reported instead, and the next pass spares what the outage let expire.
 pub async fn openai_sweep(store: &Store, limit: i64, spare: std::time::Duration) -> Result<(i64, i64, Option<i64>), StoreError> {
     let arg = json!({"limit": limit, "spareMs": spare.as_millis() as u64});
-    let value = run(store, "agentloop_openai_sweep", &arg, Replay::Safe).await?;
+    let value = store.call("agentloop_openai_sweep", &arg, Replay::Safe, Some(std::time::Instant::now() + SWEEP_RETRY)).await?;
     Ok((value["purged"].as_i64().unwrap_or(0), value["pending"].as_i64().unwrap_or(0), value["nextExpiryMs"].as_i64()))
 }
