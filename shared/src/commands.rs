@@ -351,6 +351,16 @@ pub async fn openai_finish(
     Ok(value["gone"].as_bool() == Some(true))
 }
 
+/// Notes the client-side calls of a `/v1` request's completed run before the api returns them
+/// (`agentloop_openai_note_client_calls`, migration 000038), when its thread holds an effect (it
+/// is kept): the client's next request carrying one of those calls gets the run's server calls
+/// and their results put back before it, so the model sees what the server already did.
+/// Idempotent; returns how many calls were noted (0 for a run without effects).
+pub async fn openai_note_client_calls(store: &Store, thread_id: Uuid) -> Result<i64, StoreError> {
+    let value = run(store, "agentloop_openai_note_client_calls", &json!({"threadId": thread_id}), Replay::Safe).await?;
+    Ok(value["noted"].as_i64().unwrap_or(0))
+}
+
 /// A `/v1` request cancels its own run (`agentloop_openai_cancel`): a run that waits for a human
 /// (an approval, an uncertain effect) cannot be resolved by a stateless caller. The principal
 /// commands do not find a hidden thread (migration 000029), so the request uses this one.

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use agentloop_tests::{Sig, Stack, StackOptions, script};
+use agentloop_tests::{Sig, Stack, StackOptions, create_key, script};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
@@ -392,6 +392,87 @@ async fn openai_an_effect_is_never_resent_nor_forgotten() {
         .unwrap();
     let title: String = row.expect("the answered request's record of its effect was deleted").get(0);
     assert_eq!(title, "OpenAI request whose tool calls took effect");
+}
+
+/// A client's tool loop carries the server's own calls (migration 000038; acceptance probe G,
+/// G-7): a request runs a server tool that takes effect, then the model calls a client tool; the
+/// answer returns only the client's call, and the client's next request carries only what it
+/// saw. The model's next context must still hold the server's call and its result — else it
+/// does not know the payment happened (here the scripted model, counting its own turns, calls
+/// the client tool again instead of answering). Streamed and not; another principal sending the
+/// same messages gets nothing of it.
+#[tokio::test]
+async fn openai_a_client_tool_loop_keeps_the_server_calls_in_the_model_context() {
+    let options = StackOptions { worker_env: vec![("AGENTLOOP_TEST_TOOLS".into(), "1".into())], ..Default::default() };
+    let stack = Stack::start("ecosystem_client_loop", options).await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", stack.api_url);
+    let other = create_key(&stack.db.url, "other").unwrap();
+    let tools = json!([{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]);
+    for stream in [false, true] {
+        let steps = json!([
+            {"text": "paying", "toolCalls": [{"name": "record_effect", "arguments": {"label": "paid"}}]},
+            {"text": "looking up", "toolCalls": [{"name": "lookup", "arguments": {"q": "receipt"}}]},
+            {"text": "done: {{tool_result}}"}
+        ]);
+        let mut messages = vec![json!({"role": "user", "content": script(steps)})];
+        let body = json!({"model": "mock", "messages": messages, "tools": tools, "stream": stream});
+        let r = http.post(&url).bearer_auth(&stack.key).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let message = if stream {
+            // The streamed answer, assembled as an SDK does.
+            let text = r.text().await.unwrap();
+            let mut content = String::new();
+            let mut calls: Vec<Value> = Vec::new();
+            for data in text.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
+                let chunk: Value = serde_json::from_str(data).unwrap();
+                let delta = &chunk["choices"][0]["delta"];
+                content.push_str(delta["content"].as_str().unwrap_or_default());
+                for call in delta["tool_calls"].as_array().into_iter().flatten() {
+                    calls.push(json!({"id": call["id"], "type": "function", "function": call["function"]}));
+                }
+            }
+            json!({"role": "assistant", "content": content, "tool_calls": calls})
+        } else {
+            let completion: Value = r.json().await.unwrap();
+            assert_eq!(completion["choices"][0]["finish_reason"], "tool_calls", "{completion}");
+            completion["choices"][0]["message"].clone()
+        };
+        assert_eq!(message["content"], "paying\n\nlooking up", "{message}");
+        let calls = message["tool_calls"].as_array().unwrap().clone();
+        assert_eq!(calls.len(), 1, "{message}");
+        assert_eq!(calls[0]["function"]["name"], "lookup");
+        // The client runs its tool and sends the conversation back, as it saw it.
+        messages.push(message.clone());
+        messages.push(json!({"role": "tool", "tool_call_id": calls[0]["id"], "content": "receipt #7"}));
+        let body = json!({"model": "mock", "messages": messages, "tools": tools});
+        // Another principal with the same messages: nothing of the first principal's run.
+        let r = http.post(&url).bearer_auth(&other).json(&body).send().await.unwrap();
+        let completion: Value = r.json().await.unwrap();
+        assert_eq!(completion["choices"][0]["finish_reason"], "tool_calls", "another principal's context: {completion}");
+        let r = http.post(&url).bearer_auth(&stack.key).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let completion: Value = r.json().await.unwrap();
+        assert_eq!(completion["choices"][0]["finish_reason"], "stop", "the model saw its payment: {completion}");
+        assert_eq!(completion["choices"][0]["message"]["content"], "done: receipt #7", "{completion}");
+        // What the model was sent: the server's call and its result before the client's call,
+        // whose text is its own (not the answer's joined text).
+        let sent = stack.mock.requests().await.unwrap();
+        let last = sent.last().unwrap()["messages"].as_array().unwrap().clone();
+        let server = last
+            .iter()
+            .position(|m| m["tool_calls"][0]["function"]["name"] == "record_effect")
+            .unwrap_or_else(|| panic!("the server call is in the context: {last:?}"));
+        assert_eq!(last[server]["content"], "paying");
+        assert_eq!(last[server + 1]["role"], "tool");
+        assert_eq!(last[server + 2]["tool_calls"][0]["id"], calls[0]["id"]);
+        assert_eq!(last[server + 2]["content"], "looking up");
+        assert_eq!(last[server + 3]["content"], "receipt #7");
+        assert_eq!(last.len(), server + 4, "{last:?}");
+        let paid: i64 = db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = 'paid'", &[]).await.unwrap().get(0);
+        assert_eq!(paid, if stream { 2 } else { 1 }, "one payment per loop");
+    }
 }
 
 /// `Idempotency-Key` on `/v1/chat/completions` (migration 000036; acceptance probe F: the

@@ -15,7 +15,10 @@
 //! server's own tool calls are never exposed. Client-side `tools` (OpenAI function specs) are
 //! offered to the model next to the server's; a call of one ends the run and is returned as
 //! `tool_calls` with `finish_reason: "tool_calls"` (see `agentloop_worker::client_tools` for
-//! name clashes — the client's tool wins — and mixed turns). `stream: true` answers with
+//! name clashes — the client's tool wins — and mixed turns); when earlier server calls of the run
+//! took effect, the returned calls are noted first and the client's next request carrying them
+//! gets those server calls back in the model's context (migration 000038, [`ended`]).
+//! `stream: true` answers with
 //! `chat.completion.chunk` server-sent events ([`super::stream`]). An `Idempotency-Key` makes a
 //! resend attach to the request's run or get its recorded outcome ([`super::hidden`], migration
 //! 000036).
@@ -244,7 +247,7 @@ pub async fn chat_completions(
         Started::Open(request) => request,
         Started::Replay(recorded) => return Ok(actix_web::Either::Left(replay(&req, &recorded, stream, include_usage))),
         Started::Interrupted { thread_id, run_id } => {
-            return Ok(actix_web::Either::Left(interrupted(&state.pool, &req, thread_id, run_id, stream, include_usage).await));
+            return Ok(actix_web::Either::Left(interrupted(&state.pool, &state.store, &req, thread_id, run_id, stream, include_usage).await));
         }
     };
     let chunker = super::stream::Chunker::new(request.run_id, &request.model, include_usage);
@@ -283,7 +286,7 @@ pub async fn chat_completions(
         }
     };
     let result = match waited {
-        Ok(finished) => ended(&state.pool, &chunker, request.thread_id, request.run_id, &finished).await,
+        Ok(finished) => ended(&state.pool, &state.store, &chunker, request.thread_id, request.run_id, &finished).await,
         Err(e) => Err(e),
     };
     let response = request.keyed().then(|| recorded(&result));
@@ -296,9 +299,23 @@ pub async fn chat_completions(
 
 /// The answer of a run that ended: the `chat.completion` when it completed, else its error
 /// (502 with the run's code; an uncertain call's message names the kept thread).
-pub async fn ended(pool: &PgPool, chunker: &super::stream::Chunker, thread_id: Uuid, run_id: Uuid, finished: &Run) -> Result<Value, V1Error> {
+///
+/// A completed run's client calls are noted before they are returned
+/// ([`agentloop_shared::commands::openai_note_client_calls`]): the client's next request gets the
+/// server's own calls of this run put back before them (migration 000038).
+pub async fn ended(
+    pool: &PgPool,
+    store: &Store,
+    chunker: &super::stream::Chunker,
+    thread_id: Uuid,
+    run_id: Uuid,
+    finished: &Run,
+) -> Result<Value, V1Error> {
     if finished.status == status::COMPLETED {
         let answer = answer(pool, thread_id, run_id).await?;
+        if !answer.tool_calls.is_empty() {
+            agentloop_shared::commands::openai_note_client_calls(store, thread_id).await?;
+        }
         return Ok(completion(chunker, &answer, finished.prompt_tokens, finished.completion_tokens));
     }
     let mut error = run_error(finished);
@@ -313,6 +330,7 @@ pub async fn ended(pool: &PgPool, chunker: &super::stream::Chunker, thread_id: U
 /// the thread, or 502 `request_interrupted` when the run was cut short (cancelled).
 async fn interrupted(
     pool: &PgPool,
+    store: &Store,
     req: &actix_web::HttpRequest,
     thread_id: Uuid,
     run_id: Uuid,
@@ -322,7 +340,7 @@ async fn interrupted(
     let outcome = match run_of(pool, run_id).await {
         Ok(run) if run.is_terminal() && run.status != status::CANCELLED => {
             let chunker = super::stream::Chunker::new(run_id, &run.model, include_usage);
-            ended(pool, &chunker, thread_id, run_id, &run).await
+            ended(pool, store, &chunker, thread_id, run_id, &run).await
         }
         Ok(_) => Err(V1Error {
             status: actix_web::http::StatusCode::BAD_GATEWAY,

@@ -165,7 +165,7 @@ impl HiddenRequests {
         let response = match ended {
             Ok(run) => {
                 let chunker = super::stream::Chunker::new(run_id, &model, false);
-                super::chat_completions::ended(&self.pool, &chunker, thread_id, run_id, &run).await
+                super::chat_completions::ended(&self.pool, &self.store, &chunker, thread_id, run_id, &run).await
             }
             Err(error) => Err(error),
         };

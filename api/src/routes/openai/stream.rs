@@ -275,7 +275,7 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
         Some(ended) if request.keyed() => {
             let result = match ended {
                 End::Completed { .. } => match super::chat_completions::run_of(&state.pool, request.run_id).await {
-                    Ok(run) => super::chat_completions::ended(&state.pool, &chunker, request.thread_id, request.run_id, &run).await,
+                    Ok(run) => super::chat_completions::ended(&state.pool, &state.store, &chunker, request.thread_id, request.run_id, &run).await,
                     Err(e) => Err(e),
                 },
                 End::Failed { code, message } => Err(super::V1Error {
@@ -293,6 +293,11 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
         Some(End::Completed { prompt, completion }) => {
             let mut events = Vec::new();
             if !client_calls.is_empty() {
+                // Noted before they are returned (migration 000038); a keyed request's `ended`
+                // above did it already (idempotent).
+                if let Err(error) = agentloop_shared::commands::openai_note_client_calls(&state.store, request.thread_id).await {
+                    tracing::warn!(thread_id = %request.thread_id, %error, "could not note the client calls; the next request will not see this run's server calls");
+                }
                 events.push(chunker.tool_calls(&client_calls));
             }
             let finish = if client_calls.is_empty() { cut.as_deref().unwrap_or("stop") } else { "tool_calls" };
