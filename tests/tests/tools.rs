@@ -920,3 +920,67 @@ async fn tools_a_missing_message_is_not_found_before_a_busy_thread() {
     let r = c.post(&format!("/api/threads/{thread}/messages/1/edit"), json!({"content": "x"})).await.unwrap();
     assert_eq!((r.status, r.body["error"]["code"].as_str()), (409, Some("run_active")), "{r:?}");
 }
+
+/// Workers with different tools files apply the strictest policy of the live fleet (migration
+/// 000039; acceptance probe E: a worker started with a laxer `TOOLS_FILE` ran a payment without
+/// the approval every other worker asked for). A worker whose file says `auto` asks while a
+/// worker whose file says `ask` lives (here one serving another model, so the lax one runs every
+/// call), and runs without asking once that worker has gone.
+#[tokio::test]
+async fn tools_a_worker_with_a_laxer_tools_file_asks_while_a_stricter_one_lives() {
+    let refresh = ("FLEET_POLICY_REFRESH_MS", "300");
+    let strict = tools_env(
+        "fleet_strict",
+        json!({"tools": {"record_effect": {"policy": "ask"}}}),
+        &[("AGENTLOOP_TEST_TOOLS", "1"), ("MODEL_NAME", "elsewhere"), refresh],
+    );
+    let lax = tools_env("fleet_lax", json!({"tools": {"record_effect": {"policy": "auto"}}}), &[]);
+    let mut stack = Stack::start("fleet_policy", StackOptions { worker_env: strict, ..Default::default() }).await.unwrap();
+    let db = stack.db.client().await.unwrap();
+    let published = |n: i64| {
+        let db = &db;
+        async move {
+            let deadline = Instant::now() + T;
+            loop {
+                let count: i64 = db.query_one("SELECT count(*) FROM worker_tool_policies", &[]).await.unwrap().get(0);
+                if count == n {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "{count} policies published, not {n}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    published(1).await;
+    stack.add_worker(&[("TOOLS_FILE", lax[0].1.as_str()), ("MODEL_NAME", "mock")]).unwrap();
+    published(2).await;
+    let c = stack.client();
+    let effects = |label: &'static str| {
+        let db = &db;
+        async move { db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = $1", &[&label]).await.unwrap().get::<_, i64>(0) }
+    };
+
+    let thread = c.create_thread().await.unwrap();
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "strict"}}]}, {"text": "{{tool_result}}"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let waiting = wait_status(&c, &run_id, "waiting_approval").await;
+    assert!(waiting["approvals"].as_array().is_some_and(|a| a.len() == 1), "{waiting}");
+    assert_eq!(effects("strict").await, 0, "nothing ran before the approval");
+    let approval = &pending(&c, &thread).await[0];
+    let r = c.post(&format!("/api/approvals/{}/approve", id(approval)), json!({})).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(effects("strict").await, 1);
+
+    // The strict worker leaves: the fleet is the lax worker alone, whose file now decides.
+    stack.workers[0].signal(Sig::SIGTERM);
+    assert!(stack.workers[0].wait_exit(Duration::from_secs(30)), "the strict worker stops");
+    published(1).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let steps = json!([{"toolCalls": [{"name": "record_effect", "arguments": {"label": "lax"}}]}, {"text": "{{tool_result}}"}]);
+    let run_id = c.chat(&thread, &script(steps)).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let run = c.wait_terminal(&run_id, T).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(effects("lax").await, 1);
+}

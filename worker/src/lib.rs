@@ -7,6 +7,7 @@
 pub mod client_tools;
 pub mod compact;
 pub mod control;
+pub mod fleet;
 pub mod hidden_threads;
 pub mod maintenance;
 pub mod runner;
@@ -152,6 +153,12 @@ pub struct WorkerConfig {
     /// (its api process died): their runs are cancelled and the threads deleted.
     #[arg(long, env = "HIDDEN_THREAD_SWEEP_MS", default_value = "10000", value_parser = parse_millis)]
     pub hidden_thread_sweep: Duration,
+
+    /// Interval in ms at which the worker publishes its tool policies and reads the other live
+    /// workers' (rows not seen for 4 intervals are of workers gone): each worker applies the
+    /// strictest policy of the live fleet for every tool (`worker/src/fleet.rs`).
+    #[arg(long, env = "FLEET_POLICY_REFRESH_MS", default_value = "5000", value_parser = parse_millis)]
+    pub fleet_policy_refresh: Duration,
 
     /// The apis' lease of an OpenAI-endpoint request in ms (set it as on the apis): after a
     /// database outage the sweep spares leases that expired since it began plus this long.

@@ -90,10 +90,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     if config.test_tools {
         tools_source.push_str("\n+test tools");
     }
-    // The fleet must agree on its tools (a call's policy is the executing worker's) and models:
-    // each worker publishes what it runs with, and an alert fires when workers differ
-    // (AgentloopWorkersDisagree; acceptance probe E: a worker with a laxer tools file ran a
-    // payment without approval).
+    // The fleet should agree on its tools and models: each worker publishes what it runs with,
+    // and an alert fires when workers differ (AgentloopWorkersDisagree). Meanwhile every worker
+    // applies the strictest tool policy of the live fleet (worker/src/fleet.rs; acceptance probe
+    // E: a worker with a laxer tools file ran a payment without approval).
     let tools_fingerprint = agentloop_shared::tools::mcp::fingerprint(&tools_source)[..12].to_owned();
     let models = catalog.models.iter().map(|m| m.id.as_str()).collect::<Vec<_>>().join(",");
     tracing::info!(tools.fingerprint = %tools_fingerprint, %models, "worker configuration");
@@ -139,6 +139,13 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     });
     agentloop_shared::tokens::warm_up().await;
     tracing::info!(worker.id = %worker_id, concurrency = config.concurrency, pool = config.db.db_pool_size, "worker started");
+
+    // The fleet's strictest tool policy applies before the first claim (worker/src/fleet.rs).
+    match crate::fleet::publish(&store, &worker_id, &env.tools, config.fleet_policy_refresh).await {
+        Ok(others) => tracing::info!(others, "tool policy published"),
+        Err(error) => tracing::warn!(%error, "could not publish the tool policy; retried every FLEET_POLICY_REFRESH_MS"),
+    }
+    tokio::spawn(crate::fleet::run(store.clone(), worker_id.clone(), env.tools.clone(), config.fleet_policy_refresh, stop.clone()));
 
     let in_flight: InFlight = Arc::default();
     let outages = control::Outages::default();

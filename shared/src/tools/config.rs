@@ -60,8 +60,10 @@ use std::path::Path;
 use serde::Deserialize;
 use serde_json::Value;
 
-/// Approval policy of a tool (SPEC §6 step 5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+/// Approval policy of a tool (SPEC §6 step 5). Ordered from the laxest to the strictest
+/// (`Auto < Ask < Deny`): a fleet applies the strictest of its live workers'
+/// ([`super::FleetPolicy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Policy {
     /// Runs without asking.

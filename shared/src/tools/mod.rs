@@ -147,6 +147,65 @@ pub struct ToolRegistry {
     settings: HashMap<String, config::ToolSettings>,
     default_policy: Policy,
     mcp: Vec<Arc<mcp::McpServer>>,
+    /// What the other live workers of the fleet configure ([`ToolRegistry::set_fleet`]).
+    fleet: Arc<std::sync::RwLock<Vec<FleetPolicy>>>,
+}
+
+/// One worker's approval and idempotency configuration, as it publishes it to the fleet
+/// (`worker_tool_policies`, migration 000039): `{defaultPolicy, tools: {name: {policy?,
+/// idempotent?}}, servers: {mcpServer: policy}}`.
+///
+/// A call's policy is decided by the worker that runs it, and every worker must run with the
+/// same `TOOLS_FILE`; when they do not (a rolling change of the file, a mistake), each worker
+/// applies the *strictest* policy of the live workers for every tool, and treats a tool as not
+/// idempotent when any of them says so (acceptance probe E: a worker with a laxer file ran a
+/// payment without the approval the others asked for). So a policy made stricter takes effect as
+/// soon as one worker runs with it, and one made laxer when the last worker with the old file
+/// has gone.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetPolicy {
+    #[serde(default)]
+    pub default_policy: Policy,
+    #[serde(default)]
+    pub tools: HashMap<String, FleetTool>,
+    /// MCP servers' default policies (`<server>__<tool>` names).
+    #[serde(default)]
+    pub servers: HashMap<String, Policy>,
+}
+
+/// A tool's entry in a [`FleetPolicy`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FleetTool {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<Policy>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotent: Option<bool>,
+}
+
+impl FleetPolicy {
+    /// A policy another (newer) worker published that this one cannot read: every tool it
+    /// names, and its default, ask.
+    pub fn unreadable(published: &Value) -> Self {
+        let names = published.get("tools").and_then(Value::as_object).map(|t| t.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
+        Self {
+            default_policy: Policy::Ask,
+            tools: names.into_iter().map(|n| (n, FleetTool { policy: Some(Policy::Ask), idempotent: Some(false) })).collect(),
+            servers: HashMap::new(),
+        }
+    }
+
+    /// The policy of `name` in this configuration (the order of [`ToolRegistry::policy`]).
+    pub fn policy(&self, name: &str) -> Policy {
+        if let Some(policy) = self.tools.get(name).and_then(|t| t.policy) {
+            return policy;
+        }
+        self.servers
+            .iter()
+            .find(|(server, _)| name.strip_prefix(server.as_str()).is_some_and(|rest| rest.starts_with("__")))
+            .map_or(self.default_policy, |(_, policy)| *policy)
+    }
 }
 
 impl fmt::Debug for ToolRegistry {
@@ -171,6 +230,7 @@ impl ToolRegistry {
             settings: HashMap::new(),
             default_policy: Policy::Auto,
             mcp: Vec::new(),
+            fleet: Arc::default(),
         }
     }
 
@@ -198,11 +258,36 @@ impl ToolRegistry {
 
     /// The approval policy of `name`: the tools file's entry, else its MCP server's default,
     /// else the file's `defaultPolicy`, else `auto`.
+    ///
+    /// The strictest of this worker's and the other live workers' ([`FleetPolicy`]).
     pub fn policy(&self, name: &str) -> Policy {
+        let own = self.own_policy(name);
+        self.fleet.read().expect("fleet lock").iter().map(|other| other.policy(name)).fold(own, Policy::max)
+    }
+
+    fn own_policy(&self, name: &str) -> Policy {
         if let Some(policy) = self.settings.get(name).and_then(|s| s.policy) {
             return policy;
         }
         self.mcp.iter().find(|s| s.owns(name)).and_then(|s| s.policy()).unwrap_or(self.default_policy)
+    }
+
+    /// This worker's configuration as it publishes it to the fleet.
+    pub fn published(&self) -> FleetPolicy {
+        FleetPolicy {
+            default_policy: self.default_policy,
+            tools: self
+                .settings
+                .iter()
+                .map(|(name, s)| (name.clone(), FleetTool { policy: s.policy, idempotent: s.idempotent }))
+                .collect(),
+            servers: self.mcp.iter().filter_map(|s| s.policy().map(|p| (s.name().to_owned(), p))).collect(),
+        }
+    }
+
+    /// Replaces what the other live workers configure (see [`FleetPolicy`]).
+    pub fn set_fleet(&self, others: Vec<FleetPolicy>) {
+        *self.fleet.write().expect("fleet lock") = others;
     }
 
     /// The MCP server owning `name` when that server authenticates its calls with OAuth
@@ -214,7 +299,14 @@ impl ToolRegistry {
 
     /// Whether calls of `name` skip the operations ledger: the tools file's `idempotent`, else
     /// what the tool declares. Unknown tools count as idempotent (nothing runs).
+    ///
+    /// Not idempotent when another live worker's file says so ([`FleetPolicy`]).
     pub fn is_idempotent(&self, name: &str) -> bool {
+        let fleet = self.fleet.read().expect("fleet lock");
+        if fleet.iter().any(|other| other.tools.get(name).and_then(|t| t.idempotent) == Some(false)) {
+            return false;
+        }
+        drop(fleet);
         if let Some(flag) = self.settings.get(name).and_then(|s| s.idempotent) {
             return flag;
         }
@@ -474,6 +566,44 @@ fn truncate_middle(text: String, max_bytes: usize) -> String {
 mod tests {
     use super::*;
     use crate::text::number_is_exact;
+
+    /// The strictest policy of the live fleet applies, tool by tool, through each level of a
+    /// configuration (tool entry, MCP server, default), and "not idempotent" anywhere wins.
+    #[test]
+    fn the_strictest_policy_of_the_fleet_applies() {
+        let config: ToolsConfig = serde_json::from_value(serde_json::json!({
+            "defaultPolicy": "auto",
+            "tools": {"calculator": {"policy": "auto"}, "pay": {"policy": "ask", "idempotent": false}},
+            "mcpServers": [{"name": "files", "transport": "stdio", "command": "x", "policy": "auto"}]
+        }))
+        .unwrap();
+        let mut registry = ToolRegistry::builtin(&BuiltinToolConfig::default());
+        registry.configure(&config);
+        assert_eq!(registry.policy("calculator"), Policy::Auto);
+        assert_eq!(registry.policy("files__delete"), Policy::Auto);
+        assert!(registry.is_idempotent("calculator"));
+        let other: FleetPolicy = serde_json::from_value(serde_json::json!({
+            "defaultPolicy": "ask",
+            "tools": {"calculator": {"policy": "deny"}, "pay": {"policy": "auto"}, "current_time": {"idempotent": false}},
+            "servers": {"files": "ask"}
+        }))
+        .unwrap();
+        registry.set_fleet(vec![other.clone()]);
+        assert_eq!(registry.policy("calculator"), Policy::Deny, "the other's tool entry");
+        assert_eq!(registry.policy("pay"), Policy::Ask, "ours, stricter than the other's");
+        assert_eq!(registry.policy("files__delete"), Policy::Ask, "the other's MCP server policy");
+        assert_eq!(registry.policy("sleep"), Policy::Ask, "the other's default");
+        assert!(!registry.is_idempotent("current_time"), "the other says it is not idempotent");
+        assert!(registry.specs().iter().all(|s| s["function"]["name"] != "calculator"), "a tool denied anywhere is not offered");
+        // What a worker publishes reads back as the same policy.
+        assert_eq!(serde_json::from_value::<FleetPolicy>(serde_json::to_value(registry.published()).unwrap()).unwrap(), registry.published());
+        assert_eq!(registry.published().policy("pay"), Policy::Ask);
+        registry.set_fleet(Vec::new());
+        assert_eq!(registry.policy("calculator"), Policy::Auto, "the other has gone");
+        // An unreadable policy asks for every tool it names.
+        let unreadable = FleetPolicy::unreadable(&serde_json::json!({"tools": {"calculator": {"policy": "sometimes"}}}));
+        assert_eq!(unreadable.policy("calculator"), Policy::Ask);
+    }
 
     /// Edited or model-written arguments are held to the whole schema, not only `required` and
     /// `type` (an acceptance test sent an extra field past `additionalProperties: false`).
