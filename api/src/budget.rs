@@ -13,29 +13,74 @@
 //!
 //! A body larger than the whole budget takes the whole budget (it then runs alone), so a
 //! budget below `API_MAX_BODY_BYTES` still serves every admissible body.
+//!
+//! The budget is shared, so nobody may hold all of it (acceptance probe H: eight idle
+//! connections declaring 16 MiB imports, without any key, held the whole budget and every
+//! tenant's writes waited 10 s and failed `server_busy`):
+//! - the edge authenticates a request before it weighs its body; a request without any
+//!   credential (only `POST /api/session` takes one) takes from a small budget of its own
+//!   ([`ANONYMOUS_BUDGET`], bodies of at most [`ANONYMOUS_MAX_BODY`]), and one with a bad
+//!   credential is refused before its body is read;
+//! - one principal's bodies hold at most half the budget (one body larger than that takes the
+//!   whole half): its next body waits for its own earlier ones, within the same
+//!   `API_BODY_TIMEOUT_MS`, while other principals are served from the other half.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use uuid::Uuid;
 
 use crate::error::ApiError;
+
+/// Bytes of bodies in flight of requests without a credential, per process.
+pub const ANONYMOUS_BUDGET: usize = 256 * 1024;
+/// Largest body of a request without a credential (a sign-in is ~100 bytes).
+pub const ANONYMOUS_MAX_BODY: usize = 16 * 1024;
+
+/// Whose body: the authenticated principal's, or nobody's (no credential).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    Principal(Uuid),
+    Anonymous,
+}
+
+type Shares = Arc<Mutex<HashMap<Uuid, Arc<Semaphore>>>>;
 
 /// The body budget of one api process.
 pub struct BodyBudget {
     permits: Arc<Semaphore>,
+    anonymous: Arc<Semaphore>,
     total: usize,
+    /// Each principal's share (half the budget), while it has bodies in flight or waiting:
+    /// entries are removed when the last permit of one is given back.
+    shares: Shares,
 }
 
 /// Bytes of the budget held by one request; given back when dropped.
 pub struct BodyPermit {
-    _permit: OwnedSemaphorePermit,
+    permit: Option<OwnedSemaphorePermit>,
+    share: Option<(OwnedSemaphorePermit, Shares, Uuid)>,
     bytes: usize,
 }
 
 impl Drop for BodyPermit {
     fn drop(&mut self) {
         metrics::gauge!("agentloop_body_bytes_in_flight").decrement(self.bytes as f64);
+        drop(self.permit.take());
+        if let Some((permit, shares, principal)) = self.share.take() {
+            drop(permit);
+            forget_idle(&shares, principal);
+        }
+    }
+}
+
+/// Removes `principal`'s share when nobody holds or waits for it (only the map refers to it).
+fn forget_idle(shares: &Shares, principal: Uuid) {
+    let mut shares = shares.lock().expect("body budget lock");
+    if shares.get(&principal).is_some_and(|s| Arc::strong_count(s) == 1) {
+        shares.remove(&principal);
     }
 }
 
@@ -43,7 +88,12 @@ impl BodyBudget {
     /// A budget of `total` bytes (at least 1, at most what a semaphore can count).
     pub fn new(total: usize) -> Self {
         let total = total.clamp(1, Semaphore::MAX_PERMITS);
-        Self { permits: Arc::new(Semaphore::new(total)), total }
+        Self {
+            permits: Arc::new(Semaphore::new(total)),
+            anonymous: Arc::new(Semaphore::new(ANONYMOUS_BUDGET.min(total))),
+            total,
+            shares: Arc::default(),
+        }
     }
 
     /// The configured budget in bytes.
@@ -51,34 +101,80 @@ impl BodyBudget {
         self.total
     }
 
-    /// Bytes held by requests now.
+    /// Bytes held by requests now (anonymous ones not included).
     pub fn in_use(&self) -> usize {
         self.total - self.permits.available_permits()
     }
 
-    /// Takes `bytes` of the budget (at most all of it), waiting at most `wait`.
-    /// Error: 503 `server_busy` (with `Retry-After: 1`).
-    pub async fn acquire(&self, bytes: usize, wait: Duration) -> Result<BodyPermit, ApiError> {
-        let weight = bytes.clamp(1, self.total).min(u32::MAX as usize);
-        let acquired = tokio::time::timeout(wait, self.permits.clone().acquire_many_owned(weight as u32)).await;
-        match acquired {
-            Ok(Ok(permit)) => {
+    /// One principal's share: half the budget (at least 1 byte).
+    fn share(&self) -> usize {
+        (self.total / 2).max(1)
+    }
+
+    /// Takes `bytes` of the budget for `owner` (at most all of it), waiting at most `wait` in
+    /// all: first for the owner's share (a principal's bodies in flight take at most half the
+    /// budget, a body larger than that takes the whole share; requests without a credential
+    /// have their own [`ANONYMOUS_BUDGET`]), then for the budget. Error: 503 `server_busy`
+    /// (with `Retry-After: 1`) when nothing was freed in time.
+    pub async fn acquire(&self, bytes: usize, wait: Duration, owner: Owner) -> Result<BodyPermit, ApiError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let principal = match owner {
+            Owner::Anonymous => {
+                let total = ANONYMOUS_BUDGET.min(self.total);
+                let permit = take(&self.anonymous, bytes.clamp(1, total), deadline, wait, total).await?;
+                // Not in the gauge (`bytes: 0`): that is the principals' budget.
+                return Ok(BodyPermit { permit: Some(permit), share: None, bytes: 0 });
+            }
+            Owner::Principal(principal) => principal,
+        };
+        let share = self.share();
+        let semaphore = self.shares.lock().expect("body budget lock").entry(principal).or_insert_with(|| Arc::new(Semaphore::new(share))).clone();
+        let mine = take(&semaphore, bytes.clamp(1, share), deadline, wait, self.total).await;
+        drop(semaphore);
+        let mine = match mine {
+            Ok(permit) => permit,
+            Err(error) => {
+                forget_idle(&self.shares, principal);
+                return Err(error);
+            }
+        };
+        let weight = bytes.clamp(1, self.total);
+        match take(&self.permits, weight, deadline, wait, self.total).await {
+            Ok(permit) => {
                 metrics::gauge!("agentloop_body_bytes_in_flight").increment(weight as f64);
-                Ok(BodyPermit { _permit: permit, bytes: weight })
+                Ok(BodyPermit { permit: Some(permit), share: Some((mine, self.shares.clone(), principal)), bytes: weight })
             }
-            // The semaphore is never closed; a timeout is the only way here.
-            _ => {
-                crate::limits::count_refusal("body_budget");
-                Err(ApiError::Unavailable {
-                    code: "server_busy",
-                    message: format!(
-                        "the server is holding as many request bodies as it is configured for (MAX_BODY_BYTES_IN_FLIGHT, {} bytes) \
-                         and none was freed within {} ms; retry shortly",
-                        self.total,
-                        wait.as_millis()
-                    ),
-                })
+            Err(error) => {
+                drop(mine);
+                forget_idle(&self.shares, principal);
+                Err(error)
             }
+        }
+    }
+}
+
+/// `weight` permits of `semaphore` by `deadline`, else 503 `server_busy`.
+async fn take(
+    semaphore: &Arc<Semaphore>,
+    weight: usize,
+    deadline: tokio::time::Instant,
+    wait: Duration,
+    total: usize,
+) -> Result<OwnedSemaphorePermit, ApiError> {
+    let weight = weight.min(u32::MAX as usize) as u32;
+    match tokio::time::timeout_at(deadline, semaphore.clone().acquire_many_owned(weight)).await {
+        Ok(Ok(permit)) => Ok(permit),
+        // The semaphores are never closed; a timeout is the only way here.
+        _ => {
+            crate::limits::count_refusal("body_budget");
+            Err(ApiError::Unavailable {
+                code: "server_busy",
+                message: format!(
+                    "the server is holding as many request bodies as it is configured for (MAX_BODY_BYTES_IN_FLIGHT, {total} bytes; \
+                     one principal at most half) and none was freed within {} ms; retry shortly",
+                    wait.as_millis()
+                ),
+            })
         }
     }
 }
@@ -90,17 +186,49 @@ mod tests {
     #[tokio::test]
     async fn permits_are_weighed_waited_for_and_given_back() {
         let budget = BodyBudget::new(100);
-        let a = budget.acquire(60, Duration::from_millis(10)).await.unwrap();
+        let a = budget.acquire(60, Duration::from_millis(10), Owner::Principal(Uuid::new_v4())).await.unwrap();
         assert_eq!(budget.in_use(), 60);
         // 60 + 50 > 100: waits, then times out into 503 server_busy.
-        let refused = budget.acquire(50, Duration::from_millis(20)).await.err().unwrap();
+        let refused = budget.acquire(50, Duration::from_millis(20), Owner::Principal(Uuid::new_v4())).await.err().unwrap();
         assert_eq!(refused.code(), "server_busy");
         // A body larger than the whole budget takes all of it once the budget is free.
-        let waiter = budget.acquire(1_000, Duration::from_secs(5));
+        let waiter = budget.acquire(1_000, Duration::from_secs(5), Owner::Principal(Uuid::new_v4()));
         drop(a);
         let all = waiter.await.unwrap();
         assert_eq!(budget.in_use(), 100);
         drop(all);
         assert_eq!(budget.in_use(), 0);
+    }
+
+    /// Nobody holds the whole budget: anonymous bodies have their own small budget, and a
+    /// principal's bodies take at most half (acceptance probe H); its next body waits for its
+    /// own, not for the others'.
+    #[tokio::test]
+    async fn anonymous_bodies_and_one_principal_cannot_take_the_whole_budget() {
+        let budget = BodyBudget::new(1024 * 1024);
+        let anonymous: Vec<_> = futures_util::future::join_all((0..16).map(|_| budget.acquire(16 * 1024, Duration::from_millis(10), Owner::Anonymous)))
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert!(budget.acquire(16 * 1024, Duration::from_millis(10), Owner::Anonymous).await.is_err(), "the anonymous budget is spent");
+        assert_eq!(budget.in_use(), 0, "the principals' budget is untouched");
+        let greedy = Owner::Principal(Uuid::new_v4());
+        let first = budget.acquire(400 * 1024, Duration::from_millis(10), greedy).await.unwrap();
+        let refused = budget.acquire(400 * 1024, Duration::from_millis(20), greedy).await.err().unwrap();
+        assert_eq!(refused.code(), "server_busy", "past its half, a principal waits for its own bodies");
+        let other = budget.acquire(400 * 1024, Duration::from_millis(10), Owner::Principal(Uuid::new_v4())).await.unwrap();
+        // Its next body goes when its first is answered, though the budget has room meanwhile.
+        let next = budget.acquire(400 * 1024, Duration::from_secs(5), greedy);
+        drop(first);
+        let next = next.await.unwrap();
+        drop((next, other));
+        // One body of any size is admissible: it takes the whole share, then the whole budget.
+        let big = budget.acquire(2 * 1024 * 1024, Duration::from_millis(50), greedy).await.unwrap();
+        assert_eq!(budget.in_use(), 1024 * 1024);
+        drop(big);
+        drop(anonymous);
+        assert_eq!(budget.in_use(), 0);
+        assert!(budget.shares.lock().unwrap().is_empty(), "shares are forgotten when idle");
     }
 }

@@ -54,6 +54,7 @@ impl Via {
 /// The caller and how it was authenticated. `.0` is the principal; `.1` the credential (a key
 /// or session id; `None` for the loopback principal), which live-update connections register so
 /// that a revocation ends them.
+#[derive(Debug, Clone)]
 pub struct Authenticated(pub Principal, pub Option<Credential>, pub Via);
 
 /// The principal id of a request, for the access log (set by [`Authenticated`]).
@@ -143,7 +144,14 @@ pub fn auth_failure(state: &AppState, ip: Option<IpAddr>) -> ApiError {
 
 /// Resolves the caller of `req` (see the module docs). `None` when the request carries no
 /// credential at all and is not a loopback development request.
+///
+/// Once per request: the edge authenticates a request with a body before weighing it
+/// ([`crate::budget`]), and the result is kept in the request's extensions for the route
+/// (the per-principal rate limit counts the request once).
 pub async fn authenticate(state: &AppState, req: &HttpRequest) -> Result<Option<Authenticated>, ApiError> {
+    if let Some(done) = req.extensions().get::<Authenticated>() {
+        return Ok(Some(done.clone()));
+    }
     let ip = client_ip(req, state.trusted_proxy_hops);
     let failed = |state: &AppState| auth_failure(state, ip);
     let who = if let Some(key) = bearer(req) {
@@ -189,6 +197,7 @@ pub async fn authenticate(state: &AppState, req: &HttpRequest) -> Result<Option<
     };
     req.extensions_mut().insert(AccessPrincipal(who.0.id));
     state.limits.check_request(who.0.id)?;
+    req.extensions_mut().insert(who.clone());
     Ok(Some(who))
 }
 

@@ -140,6 +140,10 @@ pub struct HostileArgs {
     /// Open SSE/long-poll connections per principal (per api process).
     #[arg(long, env = "LIVE_MAX_PER_PRINCIPAL", default_value_t = 32)]
     pub live_per_principal: usize,
+    /// Searches and exports of one principal running at once (per api process); the next
+    /// waits up to 10 s, then 429 `too_many_heavy_reads`.
+    #[arg(long, env = "HEAVY_READS_PER_PRINCIPAL", default_value_t = 2)]
+    pub heavy_reads_per_principal: usize,
     /// Open SSE/long-poll connections of this api process in all.
     #[arg(long, env = "LIVE_MAX_CONNECTIONS", default_value_t = 10_000)]
     pub live_total: usize,
@@ -337,6 +341,7 @@ impl Application {
             auth_failures_per_minute: h.auth_failures_per_minute,
             live_per_principal: h.live_per_principal,
             live_total: h.live_total,
+            heavy_reads_per_principal: h.heavy_reads_per_principal,
         }));
         tokio::spawn(hub.clone().run(config.db.database_url.clone(), shutdown.clone()));
         let state = web::Data::new(AppState {

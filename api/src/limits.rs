@@ -1,12 +1,13 @@
 //! Per-principal and per-address limits of one api process (issue 10 point 4), and the registry
-//! of open live-update connections that makes a revoked key's streams end within seconds
-//! (point 2).
+//! of open live-update connections (and `/v1` requests waiting for their run) that makes a
+//! revoked key's streams end within seconds (point 2).
 //!
 //! | limit | scope | refusal |
 //! |---|---|---|
 //! | requests per principal (`API_RATE_PER_SECOND`, burst `API_RATE_BURST`) | this process | 429 `rate_limited` |
 //! | failed authentications per source address (`AUTH_FAILURES_PER_MINUTE`) | this process | 429 `too_many_failed_auth` |
 //! | open SSE/long-poll connections per principal (`LIVE_MAX_PER_PRINCIPAL`) and in all (`LIVE_MAX_CONNECTIONS`) | this process | 429 `too_many_live_connections` |
+//! | searches and exports running at once per principal (`HEAVY_READS_PER_PRINCIPAL`; the next waits up to 10 s) | this process | 429 `too_many_heavy_reads` |
 //! | active runs, queued turns, threads per principal | global (counted in PostgreSQL, `migrations/…000006_hostile_clients`) | 429 `too_many_active_runs` / `too_many_queued_turns` / `too_many_threads` |
 //!
 //! Rate limits use `governor` (GCRA, keyed); a source address is keyed by itself for IPv4 and
@@ -40,7 +41,12 @@ pub struct LimitSettings {
     pub live_per_principal: usize,
     /// Open live-update connections of this process in all.
     pub live_total: usize,
+    /// Heavy reads (search, export) of one principal running at once.
+    pub heavy_reads_per_principal: usize,
 }
+
+/// Longest wait of a heavy read for its principal's turn before 429 `too_many_heavy_reads`.
+pub const HEAVY_READ_WAIT: Duration = Duration::from_secs(10);
 
 /// The limiters of one process.
 pub struct Limits {
@@ -51,12 +57,17 @@ pub struct Limits {
     blocked: Mutex<HashMap<IpAddr, Instant>>,
     live: Mutex<LiveTable>,
     next_live: AtomicU64,
+    /// Each principal's heavy-read permits while it has heavy reads running or waiting.
+    heavy: std::sync::Arc<Mutex<HashMap<Uuid, std::sync::Arc<tokio::sync::Semaphore>>>>,
 }
 
 #[derive(Default)]
 struct LiveTable {
     per_principal: HashMap<Uuid, usize>,
     connections: HashMap<u64, LiveEntry>,
+    /// Other long requests ended on revocation, not counted against the live bounds
+    /// ([`Limits::watch`]).
+    watched: HashMap<u64, LiveEntry>,
 }
 
 struct LiveEntry {
@@ -118,6 +129,42 @@ impl Limits {
             blocked: Mutex::default(),
             live: Mutex::default(),
             next_live: AtomicU64::new(1),
+            heavy: std::sync::Arc::default(),
+        }
+    }
+
+    /// Waits (at most [`HEAVY_READ_WAIT`]) for one of `principal`'s heavy-read permits
+    /// (`HEAVY_READS_PER_PRINCIPAL`): a search or an export holds a database connection for as
+    /// long as the caller's own data makes it last, so one principal's many at once held every
+    /// connection of the api's pool and stalled the other principals' reads for seconds
+    /// (acceptance probe H: 12 concurrent searches, others' reads from 11 ms to 8 s). Error: 429
+    /// `too_many_heavy_reads`.
+    pub async fn heavy_read(&self, principal: Uuid) -> Result<HeavyRead, ApiError> {
+        self.heavy_read_within(principal, HEAVY_READ_WAIT).await
+    }
+
+    async fn heavy_read_within(&self, principal: Uuid, wait: Duration) -> Result<HeavyRead, ApiError> {
+        let per_principal = self.settings.heavy_reads_per_principal.max(1);
+        let semaphore = self
+            .heavy
+            .lock()
+            .expect("limits lock")
+            .entry(principal)
+            .or_insert_with(|| std::sync::Arc::new(tokio::sync::Semaphore::new(per_principal)))
+            .clone();
+        let acquired = tokio::time::timeout(wait, semaphore.clone().acquire_owned()).await;
+        drop(semaphore);
+        match acquired {
+            Ok(Ok(permit)) => Ok(HeavyRead { permit: Some(permit), heavy: self.heavy.clone(), principal }),
+            _ => {
+                forget_idle(&self.heavy, principal);
+                Err(too_many(
+                    "too_many_heavy_reads",
+                    "heavy_reads",
+                    Duration::from_secs(1),
+                    format!("at most {per_principal} searches or exports of one principal run at once; retry when one has answered"),
+                ))
+            }
         }
     }
 
@@ -202,7 +249,19 @@ impl Limits {
         let cancel = CancellationToken::new();
         *table.per_principal.entry(principal).or_default() += 1;
         table.connections.insert(id, LiveEntry { credential, cancel: cancel.clone() });
-        Ok(LiveGuard { limits: self.clone(), id, principal, cancel })
+        Ok(LiveGuard { limits: self.clone(), id, principal, cancel, counted: true })
+    }
+
+    /// Registers a long request of `principal` authenticated by `credential` that is not a
+    /// live-update connection (a `/v1/chat/completions` request waiting for its run, streamed
+    /// or not): not counted against the live bounds, but its token is cancelled like theirs when
+    /// the credential stops authenticating (acceptance probe H: a revoked key's streamed
+    /// completion went on for a minute).
+    pub fn watch(self: &std::sync::Arc<Self>, principal: Uuid, credential: Option<Credential>) -> LiveGuard {
+        let id = self.next_live.fetch_add(1, Ordering::Relaxed);
+        let cancel = CancellationToken::new();
+        self.live.lock().expect("limits lock").watched.insert(id, LiveEntry { credential, cancel: cancel.clone() });
+        LiveGuard { limits: self.clone(), id, principal, cancel, counted: false }
     }
 
     /// Open live-update connections of this process.
@@ -214,7 +273,7 @@ impl Limits {
     pub fn live_credentials(&self) -> (Vec<Uuid>, Vec<Uuid>) {
         let table = self.live.lock().expect("limits lock");
         let (mut keys, mut sessions) = (Vec::new(), Vec::new());
-        for entry in table.connections.values() {
+        for entry in table.connections.values().chain(table.watched.values()) {
             match entry.credential {
                 Some(Credential::Key(id)) => keys.push(id),
                 Some(Credential::Session(id)) => sessions.push(id),
@@ -233,7 +292,7 @@ impl Limits {
     pub fn revoke(&self, dead: &[Uuid]) -> usize {
         let table = self.live.lock().expect("limits lock");
         let mut ended = 0;
-        for entry in table.connections.values() {
+        for entry in table.connections.values().chain(table.watched.values()) {
             if let Some(Credential::Key(id) | Credential::Session(id)) = entry.credential
                 && dead.contains(&id)
             {
@@ -257,12 +316,36 @@ impl Limits {
     }
 }
 
+/// A running heavy read ([`Limits::heavy_read`]); dropping it gives its permit back.
+pub struct HeavyRead {
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    heavy: std::sync::Arc<Mutex<HashMap<Uuid, std::sync::Arc<tokio::sync::Semaphore>>>>,
+    principal: Uuid,
+}
+
+impl Drop for HeavyRead {
+    fn drop(&mut self) {
+        drop(self.permit.take());
+        forget_idle(&self.heavy, self.principal);
+    }
+}
+
+/// Removes `principal`'s semaphore when nobody holds or waits for it (only the map refers to it).
+fn forget_idle(heavy: &Mutex<HashMap<Uuid, std::sync::Arc<tokio::sync::Semaphore>>>, principal: Uuid) {
+    let mut heavy = heavy.lock().expect("limits lock");
+    if heavy.get(&principal).is_some_and(|s| std::sync::Arc::strong_count(s) == 1) {
+        heavy.remove(&principal);
+    }
+}
+
 /// One open live-update connection; dropping it closes it in the registry.
 pub struct LiveGuard {
     limits: std::sync::Arc<Limits>,
     id: u64,
     principal: Uuid,
     cancel: CancellationToken,
+    /// Counted against the live bounds (an SSE or long-poll connection), or only watched.
+    counted: bool,
 }
 
 impl LiveGuard {
@@ -275,6 +358,13 @@ impl LiveGuard {
 impl Drop for LiveGuard {
     fn drop(&mut self) {
         let mut table = self.limits.live.lock().expect("limits lock");
+        if !self.counted {
+            table.watched.remove(&self.id);
+            if table.watched.is_empty() {
+                table.watched.shrink_to_fit();
+            }
+            return;
+        }
         table.connections.remove(&self.id);
         if let Some(n) = table.per_principal.get_mut(&self.principal) {
             *n -= 1;
@@ -331,7 +421,33 @@ mod tests {
     use super::*;
 
     fn limits() -> std::sync::Arc<Limits> {
-        std::sync::Arc::new(Limits::new(LimitSettings { rate_per_second: 1, rate_burst: 3, auth_failures_per_minute: 2, live_per_principal: 2, live_total: 3 }))
+        std::sync::Arc::new(Limits::new(LimitSettings { rate_per_second: 1, rate_burst: 3, auth_failures_per_minute: 2, live_per_principal: 2, live_total: 3, heavy_reads_per_principal: 2 }))
+    }
+
+    /// One principal's heavy reads run at most `heavy_reads_per_principal` at once; the next
+    /// waits for one of them, never for another principal's (acceptance probe H).
+    #[tokio::test]
+    async fn heavy_reads_are_bounded_per_principal() {
+        let limits = limits();
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let wait = Duration::from_millis(100);
+        let first = limits.heavy_read_within(b, wait).await.unwrap();
+        let second = limits.heavy_read_within(b, wait).await.unwrap();
+        // A's read does not wait behind B's.
+        let mine = tokio::time::timeout(Duration::from_millis(20), limits.heavy_read_within(a, wait)).await.expect("A is not held up").unwrap();
+        drop(mine);
+        // B's third waits for one of B's own and gives up after its wait: 429.
+        let refused = limits.heavy_read_within(b, wait).await.err().unwrap();
+        assert_eq!(refused.code(), "too_many_heavy_reads");
+        // ... or gets it when one ends.
+        let third = limits.heavy_read_within(b, Duration::from_secs(5));
+        let ender = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            drop(first);
+        };
+        let (third, ()) = tokio::join!(third, ender);
+        drop((third.unwrap(), second));
+        assert!(limits.heavy.lock().unwrap().is_empty(), "idle principals are forgotten");
     }
 
     #[test]

@@ -7,9 +7,12 @@
 //!    (the HTTP parser itself answers a bare 431 only beyond 96 headers or 128 KiB);
 //! 3. the query string: a NUL character (`%00`) is 400 `invalid_query`;
 //! 4. the body of every request that has one (all methods but GET/HEAD/OPTIONS): a non-JSON
-//!    `Content-Type` is 415 `unsupported_media_type`; it waits for its share of the body budget
+//!    `Content-Type` is 415 `unsupported_media_type`; the request is authenticated (a bad
+//!    credential is refused before the body is read; one without any is held to the small
+//!    anonymous budget and 16 KiB bodies); it waits for its share of the body budget
 //!    (`MAX_BODY_BYTES_IN_FLIGHT`, [`crate::budget`]; at most `API_BODY_TIMEOUT_MS`, else 503
-//!    `server_busy`), which it holds until its route has answered; it is read within
+//!    `server_busy`; one principal's bodies hold at most half of it), which it holds
+//!    until its route has answered; it is read within
 //!    `API_BODY_TIMEOUT_MS` (else 408 `body_timeout`) and `API_MAX_BODY_BYTES` (`IMPORT_MAX_BYTES`
 //!    for `POST /api/threads/import`; else 413 `payload_too_large`), parsed
 //!    (400 `invalid_json`; a number beyond f64, or one it would round, is 400 `invalid_number`), and every NUL in a
@@ -205,6 +208,8 @@ struct BodyBounds<'a> {
     import_max: usize,
     timeout: Duration,
     budget: Option<&'a crate::budget::BodyBudget>,
+    /// Authenticates the request before its body is weighed ([`crate::budget`]).
+    state: Option<&'a AppState>,
 }
 
 /// Checks the request before routing; returns the error to answer with, if any, else the share
@@ -248,8 +253,30 @@ async fn admit(req: &mut ServiceRequest, bounds: &BodyBounds<'_>) -> Result<Opti
         // A chunked body (no length) is weighed at its limit: it may grow that large.
         other => other.map(|length| length as usize),
     };
+    // Who sends it, before anything of it is weighed or read: a bad credential is refused now,
+    // and a request without any (a sign-in) is held to the small anonymous budget, so nobody
+    // without a key can hold the budget the tenants' writes need (acceptance probe H). The
+    // route's extractor reuses this authentication (`extract::authenticate`).
+    // The sign-in takes no credential (its key is in the body) and must work with a stale
+    // session cookie: it is anonymous, whatever it carries.
+    let sign_in = req.method() == Method::POST && req.path() == "/api/session";
+    let owner = match bounds.state {
+        Some(state) if !sign_in => match crate::extract::authenticate(state, req.request()).await? {
+            Some(who) => crate::budget::Owner::Principal(who.0.id),
+            None => crate::budget::Owner::Anonymous,
+        },
+        _ => crate::budget::Owner::Anonymous,
+    };
+    let (declared, limit) = if owner == crate::budget::Owner::Anonymous && bounds.state.is_some() {
+        if declared.is_some_and(|d| d > crate::budget::ANONYMOUS_MAX_BODY) {
+            return Err(ApiError::PayloadTooLarge);
+        }
+        (declared, limit.min(crate::budget::ANONYMOUS_MAX_BODY))
+    } else {
+        (declared, limit)
+    };
     let permit = match bounds.budget {
-        Some(budget) => Some(budget.acquire(declared.unwrap_or(limit), bounds.timeout).await?),
+        Some(budget) => Some(budget.acquire(declared.unwrap_or(limit), bounds.timeout, owner).await?),
         None => None,
     };
     let body = read_body(req, declared, limit, bounds.timeout).await?;
@@ -330,8 +357,14 @@ pub async fn edge(mut req: ServiceRequest, next: Next<BoxBody>) -> Result<Servic
     req.extensions_mut().insert(RequestId(id.clone()));
     let state = req.app_data::<web::Data<AppState>>().cloned();
     let bounds = state.as_ref().map_or(
-        BodyBounds { max_body: 1024 * 1024, import_max: 1024 * 1024, timeout: Duration::from_secs(10), budget: None },
-        |s| BodyBounds { max_body: s.max_body_bytes, import_max: s.import_max_bytes, timeout: s.body_timeout, budget: Some(&s.body_budget) },
+        BodyBounds { max_body: 1024 * 1024, import_max: 1024 * 1024, timeout: Duration::from_secs(10), budget: None, state: None },
+        |s| BodyBounds {
+            max_body: s.max_body_bytes,
+            import_max: s.import_max_bytes,
+            timeout: s.body_timeout,
+            budget: Some(&s.body_budget),
+            state: Some(s.get_ref()),
+        },
     );
     let hops = state.as_ref().map_or(0, |s| s.trusted_proxy_hops);
     let method = req.method().clone();

@@ -661,6 +661,148 @@ async fn hostile_body_budget_wait_ends_in_503_server_busy_and_frees_with_the_bod
     assert!(metrics.contains("agentloop_limit_refusals_total{limit=\"body_budget\"}"), "{metrics}");
 }
 
+/// A `/v1/chat/completions` request ends when its key is revoked, like a live-update stream
+/// (acceptance probe H: a streamed completion whose key was revoked went on for a minute, to its
+/// end): streamed, a final `credentials_revoked` error; not streamed, 401 (`invalid_api_key`, as
+/// every `/v1` 401, saying the key was revoked).
+/// The request ends as if its client had gone (its run is cancelled).
+#[tokio::test]
+async fn hostile_a_revoked_key_ends_its_v1_requests_within_5s() {
+    let stack = Stack::start("hostile_revoke_v1", StackOptions::default()).await.unwrap();
+    let key = create_key(&stack, &["--principal", "v1-victim", "--name", "sdk"]);
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", stack.api_url);
+    let slow = |stream: bool| {
+        // 240 words, 3 per chunk, 500 ms apart: a 40 s answer.
+        let words = vec!["word"; 240].join(" ");
+        json!({"model": "mock", "stream": stream,
+               "messages": [{"role": "user", "content": agentloop_tests::script(json!([{"text": words, "chunkDelayMs": 500}]))}]})
+    };
+    let streamed = http.post(&url).bearer_auth(&key).json(&slow(true)).send().await.unwrap();
+    assert_eq!(streamed.status(), 200);
+    let mut stream = streamed.bytes_stream();
+    let waiting = {
+        let (http, url, key, body) = (http.clone(), url.clone(), key.clone(), slow(false));
+        tokio::spawn(async move { http.post(url).bearer_auth(key).json(&body).send().await.unwrap() })
+    };
+    // The streamed answer has begun.
+    let mut seen = String::new();
+    while !seen.contains("word") {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), stream.next()).await.expect("a chunk").unwrap().unwrap();
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let out = admin(&stack, &["revoke-key", "--principal", "v1-victim", "--key-prefix", &key[..10]]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let revoked_at = Instant::now();
+    let rest = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(Ok(chunk)) = stream.next().await {
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+    })
+    .await;
+    assert!(rest.is_ok(), "the stream ended within 5 s of the revocation");
+    assert!(seen.contains("credentials_revoked"), "{seen}");
+    assert!(!seen.contains("[DONE]"), "{seen}");
+    let reply = tokio::time::timeout(Duration::from_secs(5), waiting).await.expect("the waiting request ended within 5 s").unwrap();
+    assert_eq!(reply.status(), 401);
+    let body: Value = reply.json().await.unwrap();
+    // OpenAI's code for every 401 (the SDKs raise AuthenticationError); the message says why.
+    assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("revoked"), "{body}");
+    assert!(revoked_at.elapsed() < Duration::from_secs(5), "{:?}", revoked_at.elapsed());
+    // Both runs were cancelled with their requests (their answers would take 40 s).
+    let db = stack.db.client().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let active: i64 = db
+            .query_one("SELECT count(*) FROM runs WHERE status NOT IN ('completed', 'failed', 'cancelled', 'abandoned')", &[])
+            .await
+            .unwrap()
+            .get(0);
+        if active == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{active} runs still active");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Nobody holds the whole body budget (acceptance probe H: eight idle connections without any
+/// key, each declaring a 16 MiB import and sending nothing, held all of
+/// `MAX_BODY_BYTES_IN_FLIGHT`, and every tenant's writes waited 10 s and failed `server_busy`).
+/// A request without a credential is weighed against a small budget of its own and may send at
+/// most 16 KiB; a bad credential is refused before its body is read; another tenant's stalled
+/// bodies hold at most half of the budget. Tenant A's write goes through at once meanwhile.
+#[tokio::test]
+async fn hostile_stalled_bodies_of_strangers_and_other_tenants_leave_a_tenant_room() {
+    let options = StackOptions { workers: 0, api_env: env(&[("MAX_BODY_BYTES_IN_FLIGHT", "2000000"), ("API_BODY_TIMEOUT_MS", "8000")]), ..Default::default() };
+    let stack = Stack::start("hostile_body_strangers", options).await.unwrap();
+    let a = stack.client();
+    let thread = a.create_thread().await.unwrap();
+    let b = stack.client_for("tenant-b").unwrap();
+    let b_thread = b.create_thread().await.unwrap();
+    let b_key = b.key.clone().unwrap();
+    let addr = stack.api_url.trim_start_matches("http://").to_owned();
+    // Sends a request head declaring `length` bytes and a few of them, then waits for the answer
+    // (or until the server closes); returns its status line.
+    let stall = |method: &'static str, path: String, auth: Option<String>, length: usize| {
+        let addr = addr.clone();
+        async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            let auth = auth.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+            let head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n{{\"a\":");
+            s.write_all(head.as_bytes()).await.unwrap();
+            let mut answer = Vec::new();
+            let mut buf = [0u8; 4096];
+            while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(20), s.read(&mut buf)).await {
+                if n == 0 || answer.windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+                answer.extend_from_slice(&buf[..n]);
+            }
+            String::from_utf8_lossy(&answer).lines().next().unwrap_or_default().to_owned()
+        }
+    };
+    // Without a key: a large declared body is refused at once; small ones fill only their own
+    // budget (256 KiB: 20 x 16,000 bytes overfill it).
+    let started = Instant::now();
+    let big = stall("POST", "/api/threads/import".into(), None, 16 * 1024 * 1024).await;
+    assert!(big.starts_with("HTTP/1.1 413"), "{big}");
+    let bad_key = stall("POST", "/api/threads/import".into(), Some("nope".into()), 1_000_000).await;
+    assert!(bad_key.starts_with("HTTP/1.1 401"), "{bad_key}");
+    assert!(started.elapsed() < Duration::from_secs(2), "refused before the bodies were awaited: {:?}", started.elapsed());
+    let mut stalled = Vec::new();
+    for _ in 0..20 {
+        stalled.push(tokio::spawn(stall("POST", "/api/session".into(), None, 16_000)));
+    }
+    // Tenant B: four stalled 900 KB bodies; its half (1 MB) holds one of them.
+    for _ in 0..4 {
+        stalled.push(tokio::spawn(stall("PATCH", format!("/api/threads/{b_thread}"), Some(b_key.clone()), 900_000)));
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let held = body_bytes_in_flight(&stack).await;
+    assert!(held <= 1_000_000.0, "tenant B holds at most half the budget: {held}");
+    let started = Instant::now();
+    let blob = "x".repeat(890_000);
+    let r = a.send(reqwest::Method::PATCH, &format!("/api/threads/{thread}"), Some(json!({"metadata": {"blob": blob}})), &[]).await.unwrap();
+    assert_eq!(r.status, 200, "{:?}", r.body["error"]);
+    assert!(started.elapsed() < Duration::from_secs(3), "tenant A waited {:?}", started.elapsed());
+    for s in stalled {
+        let line = s.await.unwrap();
+        assert!(line.starts_with("HTTP/1.1 408") || line.starts_with("HTTP/1.1 503"), "{line}");
+    }
+    // The sign-in takes no credential: a stale session cookie does not stop it.
+    let r = reqwest::Client::new()
+        .post(format!("{}/api/session", stack.api_url))
+        .header("Cookie", "agentloop_session=stale")
+        .json(&json!({"key": stack.key}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+}
+
 /// `agentloop_slim_event` (live reads slim payloads in PostgreSQL, issue 10): small payloads are
 /// untouched; a large one keeps its small members, drops large non-string members and cuts large
 /// strings at a character boundary within the member bound, noting the omitted bytes.

@@ -44,6 +44,10 @@ use agentloop_shared::db::PgPool;
 use agentloop_shared::store::Store;
 use crate::extract::Authenticated;
 
+/// The error of a request whose credential stopped authenticating while it waited.
+const REVOKED: &str = "the API key of this request was revoked or expired (or its session ended) while it ran; \
+     the request ended as if its client had gone (a keyed request's run goes on for a resend with a valid key)";
+
 /// Longest wait for the run.
 pub const MAX_WAIT: Duration = Duration::from_secs(600);
 /// Most client tools per request (OpenAI's own bound).
@@ -254,13 +258,22 @@ pub async fn chat_completions(
     // A client that goes away ends its request at once: dropping the `HiddenRequest` cancels the
     // run and deletes the hidden thread (actix itself would wait for a failed write).
     let peer = crate::connection::PeerSocket::of(&req);
+    // So does its key's revocation (or expiry, or its session's end), as for live-update
+    // streams (acceptance probe H: a revoked key's stream went on for a minute).
+    let watch = state.limits.watch(who.0.id, who.1);
+    let revoked = watch.revoked();
     if stream {
         let (tx, rx) = mpsc::channel::<sse::Event>(64);
+        let last_words = tx.clone();
         let pump = super::stream::pump(state.clone(), request, chunker, tx);
         actix_web::rt::spawn(async move {
+            let _watch = watch;
             tokio::select! {
                 () = pump => {}
                 () = crate::connection::client_gone(peer) => {}
+                () = revoked.cancelled() => {
+                    let _ = last_words.send(super::stream::Chunker::error("credentials_revoked", REVOKED)).await;
+                }
             }
         });
         // The keep-alive comments also reveal a client that went away while nothing else is
@@ -284,7 +297,17 @@ pub async fn chat_completions(
                 param: None,
             })));
         }
+        () = revoked.cancelled() => {
+            drop(request);
+            return Ok(actix_web::Either::Left(final_error(&V1Error {
+                status: actix_web::http::StatusCode::UNAUTHORIZED,
+                code: "credentials_revoked".into(),
+                message: REVOKED.into(),
+                param: None,
+            })));
+        }
     };
+    drop(watch);
     let result = match waited {
         Ok(finished) => ended(&state.pool, &state.store, &chunker, request.thread_id, request.run_id, &finished).await,
         Err(e) => Err(e),

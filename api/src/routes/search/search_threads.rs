@@ -70,6 +70,7 @@ pub async fn search_threads(state: web::Data<AppState>, who: Authenticated, quer
         return Ok(HttpResponse::Ok().json(json!({"threads": [], "messages": []})));
     };
     let limit = crate::extract::query_range("limit", query.limit, 20, 1..=100)?;
+    let _turn = state.limits.heavy_read(who.0.id).await?;
     let mut conn = state.pool.get().await?;
     let found = crate::reads::search(&mut conn, who.0.id, &tsquery, limit).await?;
     Ok(HttpResponse::Ok().json(found))

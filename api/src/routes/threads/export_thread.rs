@@ -117,6 +117,8 @@ pub async fn export_thread(
     let head = if markdown { markdown_head(&thread) } else { json_head(&thread) };
     let tail = if markdown { String::new() } else { "]}\n".to_owned() };
 
+    // A heavy read: held while the body streams (`Limits::heavy_read`).
+    let turn = state.limits.heavy_read(who.0.id).await?;
     // Pages of active messages after a sequence cursor; each page is one short read.
     let pool = state.pool.clone();
     let thread_id = thread.id;
@@ -149,6 +151,7 @@ pub async fn export_thread(
     });
     let mut first = true;
     let body = pages.map(move |page| {
+        let _turn = &turn;
         page.map(|rows| {
             let mut out = String::new();
             for row in &rows {
