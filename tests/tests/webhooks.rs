@@ -557,3 +557,51 @@ async fn webhooks_are_validated_bounded_and_isolated_per_principal() {
         assert_eq!((r.status, r.body["error"]["code"].as_str()), (400, Some("invalid_cursor")), "{cursor}: {r:?}");
     }
 }
+
+/// One tenant's endpoints that never answer do not hold every delivery slot (migration 000040;
+/// acceptance probe H: a tenant with 20 webhooks at a sink that never answers kept every slot
+/// busy with its backlog, and another tenant's run.completed was not delivered after 240 s).
+/// Tenant B's six held deliveries, due first, take at most WEBHOOK_CONCURRENCY_PER_PRINCIPAL (2)
+/// of the worker's 4 slots: tenant A's delivery goes out at once.
+#[tokio::test]
+async fn webhooks_one_tenants_silent_endpoints_do_not_delay_anothers_deliveries() {
+    let key = secrets_key();
+    let options = StackOptions {
+        worker_env: env(&[
+            ("WEBHOOK_ALLOW_PRIVATE_TARGETS", "true"),
+            ("WEBHOOK_SECRETS_KEY", &key),
+            ("WEBHOOK_TIMEOUT_MS", "8000"),
+            ("WEBHOOK_CONCURRENCY", "4"),
+        ]),
+        api_env: env(&[("WEBHOOK_ALLOW_PRIVATE_TARGETS", "true"), ("WEBHOOK_SECRETS_KEY", &key)]),
+        ..Default::default()
+    };
+    let stack = Stack::start("webhooks_fair", options).await.unwrap();
+    let a = stack.client();
+    let b = stack.client_for("silent-tenant").unwrap();
+    let silent = Receiver::start(Mode::HoldFirst).await;
+    for _ in 0..6 {
+        let created = create_webhook(&b, &silent.url(), &["run.completed"]).await;
+        silent.set_secret(created["secret"].as_str().unwrap());
+    }
+    let prompt = Receiver::start(Mode::FailFirst(0)).await;
+    let created = create_webhook(&a, &prompt.url(), &["run.completed"]).await;
+    prompt.set_secret(created["secret"].as_str().unwrap());
+
+    let thread = b.create_thread().await.unwrap();
+    let run = b.chat(&thread, &script(json!([{"text": "done"}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    b.wait_terminal(&run, T).await.unwrap();
+    let deadline = Instant::now() + T;
+    while silent.state.held.load(Ordering::SeqCst) < 2 {
+        assert!(Instant::now() < deadline, "B's deliveries never arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let thread = a.create_thread().await.unwrap();
+    let run = a.chat(&thread, &script(json!([{"text": "done"}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    a.wait_terminal(&run, T).await.unwrap();
+    let finished = Instant::now();
+    prompt.wait_delivered(1, Duration::from_secs(20)).await;
+    let waited = finished.elapsed();
+    assert!(waited < Duration::from_secs(3), "A's delivery waited {waited:?} behind B's silent endpoints");
+    assert!(silent.state.held.load(Ordering::SeqCst) <= 2, "B holds at most 2 attempts in flight");
+}

@@ -176,6 +176,11 @@ pub struct WorkerConfig {
     #[arg(long, env = "WEBHOOK_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     pub webhook_concurrency: u32,
 
+    /// Webhook delivery attempts of one principal in flight at once across all workers: one
+    /// tenant's endpoints that never answer cannot hold every delivery slot (migration 000040).
+    #[arg(long, env = "WEBHOOK_CONCURRENCY_PER_PRINCIPAL", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    pub webhook_concurrency_per_principal: u32,
+
     /// Attempts of a webhook delivery before it is marked `failed`.
     #[arg(long, env = "WEBHOOK_MAX_ATTEMPTS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     pub webhook_max_attempts: u32,

@@ -189,6 +189,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         worker_id.clone(),
         crate::webhooks::Settings {
             concurrency: config.webhook_concurrency as usize,
+            per_principal: config.webhook_concurrency_per_principal,
             max_attempts: config.webhook_max_attempts,
             retry_base: config.webhook_retry_base,
             retry_max: config.webhook_retry_max,

@@ -2,7 +2,9 @@
 //!
 //! Run transitions write `webhook_deliveries` rows in their own transaction (the trigger of
 //! `migrations/2026-12-02-000011_webhooks`). Every worker runs one dispatcher: it claims due rows
-//! (`agentloop_webhook_claim`: `FOR UPDATE SKIP LOCKED`, at most its free slots, each claim a
+//! (`agentloop_webhook_claim`: `FOR UPDATE SKIP LOCKED`, at most its free slots, fairly between
+//! principals and at most `WEBHOOK_CONCURRENCY_PER_PRINCIPAL` of one principal in flight across
+//! the fleet — migration 000040 —, each claim a
 //! lease of `WEBHOOK_TIMEOUT_MS` + 5 s on the row), sends each with the safe client of
 //! [`agentloop_shared::webhooks`] (signed per Standard Webhooks, no redirects, timeouts, 1 KiB
 //! of answer read, no private targets unless allowed), and records the attempt
@@ -32,6 +34,9 @@ use uuid::Uuid;
 pub struct Settings {
     /// Deliveries in flight per worker.
     pub concurrency: usize,
+    /// Delivery attempts of one principal in flight across the fleet (fair claims, migration
+    /// 000040).
+    pub per_principal: u32,
     /// Attempts before a delivery fails.
     pub max_attempts: u32,
     /// First retry delay (doubling).
@@ -94,7 +99,7 @@ pub async fn run(
         if free > 0 {
             let arg = json!({
                 "worker": worker_id, "limit": free, "leaseMs": settings.lease().as_millis() as u64,
-                "maxAttempts": settings.max_attempts,
+                "maxAttempts": settings.max_attempts, "perPrincipal": settings.per_principal,
             });
             match store.call("agentloop_webhook_claim", &arg, Replay::Safe, None).await {
                 Ok(claimed) => {
