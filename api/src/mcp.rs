@@ -77,8 +77,13 @@ pub fn service(state: web::Data<AppState>, max_body: usize) -> Arc<McpService> {
 
 /// `GET|POST|DELETE /mcp`: authenticates, then hands the request to rmcp. 401 (with
 /// `WWW-Authenticate: Bearer`) without a valid key.
+///
+/// A call that waits (`wait_run`, up to 120 s) ends when its key is revoked or expires, as a
+/// live-update stream does (acceptance probe H: `wait_run` answered 17 s after the revocation):
+/// 401 `credentials_revoked`.
 pub async fn serve(
     mcp: web::Data<Arc<McpService>>,
+    state: web::Data<crate::AppState>,
     who: crate::extract::Authenticated,
     req: HttpRequest,
     body: web::Bytes,
@@ -102,8 +107,19 @@ pub async fn serve(
     let mut request = builder
         .body(http_body_util::Full::new(body))
         .map_err(|e| ApiError::bad_request("invalid_request", format!("unreadable MCP request: {e}")))?;
+    let watch = state.limits.watch(who.0.id, who.1);
+    let revoked = watch.revoked();
     request.extensions_mut().insert(McpCaller(who.0));
-    let response = mcp.handle(request).await;
+    let response = tokio::select! {
+        response = mcp.handle(request) => response,
+        () = revoked.cancelled() => {
+            return Err(ApiError::Unauthenticated {
+                code: "credentials_revoked",
+                message: "the API key of this request was revoked or expired while it waited".into(),
+            });
+        }
+    };
+    drop(watch);
     let (parts, body) = response.into_parts();
     if parts.status.is_client_error() || parts.status.is_server_error() {
         // rmcp answers transport errors (406, 415, a malformed JSON-RPC body, ...) in its own

@@ -678,6 +678,25 @@ async fn hostile_a_revoked_key_ends_its_v1_requests_within_5s() {
         json!({"model": "mock", "stream": stream,
                "messages": [{"role": "user", "content": agentloop_tests::script(json!([{"text": words, "chunkDelayMs": 500}]))}]})
     };
+    // An MCP `wait_run` on an ordinary run of the key's principal, waiting for a 40 s answer.
+    let victim = client(&stack, &key);
+    let thread = victim.create_thread().await.unwrap();
+    let content = slow(false)["messages"][0]["content"].as_str().unwrap().to_owned();
+    let run_id = victim.chat(&thread, &content).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let mcp_wait = {
+        let (http, base, key) = (http.clone(), stack.api_url.clone(), key.clone());
+        let call = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                          "params": {"name": "wait_run", "arguments": {"runId": run_id, "timeoutMs": 60000}}});
+        tokio::spawn(async move {
+            http.post(format!("{base}/mcp"))
+                .bearer_auth(key)
+                .header("Accept", "application/json, text/event-stream")
+                .json(&call)
+                .send()
+                .await
+                .unwrap()
+        })
+    };
     let streamed = http.post(&url).bearer_auth(&key).json(&slow(true)).send().await.unwrap();
     assert_eq!(streamed.status(), 200);
     let mut stream = streamed.bytes_stream();
@@ -709,13 +728,20 @@ async fn hostile_a_revoked_key_ends_its_v1_requests_within_5s() {
     // OpenAI's code for every 401 (the SDKs raise AuthenticationError); the message says why.
     assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("revoked"), "{body}");
+    let mcp = tokio::time::timeout(Duration::from_secs(5), mcp_wait).await.expect("wait_run ended within 5 s").unwrap();
+    assert_eq!(mcp.status(), 401);
+    let body: Value = mcp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "credentials_revoked", "{body}");
     assert!(revoked_at.elapsed() < Duration::from_secs(5), "{:?}", revoked_at.elapsed());
-    // Both runs were cancelled with their requests (their answers would take 40 s).
+    // Both /v1 runs were cancelled with their requests (their answers would take 40 s).
     let db = stack.db.client().await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let active: i64 = db
-            .query_one("SELECT count(*) FROM runs WHERE status NOT IN ('completed', 'failed', 'cancelled', 'abandoned')", &[])
+            .query_one(
+                "SELECT count(*) FROM runs WHERE status NOT IN ('completed', 'failed', 'cancelled', 'abandoned') AND id::text <> $1",
+                &[&run_id],
+            )
             .await
             .unwrap()
             .get(0);
