@@ -54,6 +54,25 @@ pub async fn ensure_principal(conn: &mut AsyncPgConnection, name: &str) -> Query
         .await
 }
 
+/// Longest principal or key name, in characters.
+pub const MAX_NAME_CHARS: usize = 200;
+
+/// Checks a principal's or a key's name as an operator types it (`create-key`): not empty nor
+/// blank, at most [`MAX_NAME_CHARS`] characters, no control characters (acceptance probe H: an
+/// empty principal name made a key whose principal `list-keys` showed blank). Error: why.
+pub fn check_name(what: &str, name: &str) -> Result<(), String> {
+    if name.trim().is_empty() {
+        return Err(format!("{what} must not be empty"));
+    }
+    if name.chars().count() > MAX_NAME_CHARS {
+        return Err(format!("{what} is limited to {MAX_NAME_CHARS} characters"));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(format!("{what} must not contain control characters"));
+    }
+    Ok(())
+}
+
 /// Creates a new API key for the principal `principal` (created if absent), with an optional
 /// `name` (a label shown by `list-keys`) and expiry. Returns the clear key, which is not stored
 /// and cannot be shown again.
@@ -319,6 +338,17 @@ pub fn parse_expiry(text: &str, now: DateTime<Utc>) -> Result<DateTime<Utc>, Str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_must_be_printable_and_bounded() {
+        assert!(check_name("--principal", "tenant-a").is_ok());
+        assert!(check_name("--principal", "Équipe données").is_ok());
+        for bad in ["", "   ", "a\tb", "line\nbreak"] {
+            assert!(check_name("--principal", bad).is_err(), "{bad:?}");
+        }
+        assert!(check_name("--principal", &"x".repeat(MAX_NAME_CHARS)).is_ok());
+        assert!(check_name("--principal", &"x".repeat(MAX_NAME_CHARS + 1)).is_err());
+    }
 
     #[test]
     fn expiry_accepts_timestamps_and_durations() {

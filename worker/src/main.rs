@@ -91,6 +91,10 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::CreateKey { db, principal, name, expires } => {
+            auth::check_name("--principal", &principal).map_err(|e| anyhow::anyhow!(e))?;
+            if let Some(name) = &name {
+                auth::check_name("--name", name).map_err(|e| anyhow::anyhow!(e))?;
+            }
             let expires_at = expires
                 .as_deref()
                 .map(|text| auth::parse_expiry(text, chrono::Utc::now()))
