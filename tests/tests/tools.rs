@@ -928,7 +928,9 @@ async fn tools_a_missing_message_is_not_found_before_a_busy_thread() {
 /// call), and runs without asking once that worker has gone.
 #[tokio::test]
 async fn tools_a_worker_with_a_laxer_tools_file_asks_while_a_stricter_one_lives() {
-    let refresh = ("FLEET_POLICY_REFRESH_MS", "300");
+    // Periods differ: the strict worker publishes every 10 s, the lax one every 0.3 s (its rows
+    // live 1.2 s); a live worker's row lives by its own period (verification probe I).
+    let refresh = ("FLEET_POLICY_REFRESH_MS", "10000");
     let strict = tools_env(
         "fleet_strict",
         json!({"tools": {"record_effect": {"policy": "ask"}}}),
@@ -952,7 +954,10 @@ async fn tools_a_worker_with_a_laxer_tools_file_asks_while_a_stricter_one_lives(
         }
     };
     published(1).await;
-    stack.add_worker(&[("TOOLS_FILE", lax[0].1.as_str()), ("MODEL_NAME", "mock")]).unwrap();
+    stack.add_worker(&[("TOOLS_FILE", lax[0].1.as_str()), ("MODEL_NAME", "mock"), ("FLEET_POLICY_REFRESH_MS", "300")]).unwrap();
+    published(2).await;
+    // Past the lax worker's own time to live: the strict worker's row must still count.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
     published(2).await;
     let c = stack.client();
     let effects = |label: &'static str| {
