@@ -5,7 +5,8 @@
 //! (rows seen within four periods); its [`ToolRegistry`] then applies, per tool, the strictest
 //! policy of them all. The first publication happens before the worker claims anything; a
 //! worker that cannot publish keeps what it last read (a stricter fleet stays strict). A
-//! worker leaving cleanly removes its row; one that dies is forgotten after the time to live.
+//! worker leaving cleanly removes its row once its slices have ended; one that dies is forgotten
+//! after its row's time to live (four of its own periods).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,19 +43,26 @@ pub async fn publish(store: &Store, worker_id: &str, tools: &ToolRegistry, every
     Ok(n)
 }
 
-/// Publishes every `every` until `stop`, then removes this worker's row.
+/// Publishes every `every` until `stop` (the runner withdraws the row with [`leave`] once its
+/// slices have ended: until then they still run calls under this worker's policy).
 pub async fn run(store: Store, worker_id: String, tools: Arc<ToolRegistry>, every: Duration, stop: CancellationToken) {
     loop {
         tokio::select! {
-            () = stop.cancelled() => break,
+            () = stop.cancelled() => return,
             () = tokio::time::sleep(every) => {}
         }
         if let Err(error) = publish(&store, &worker_id, &tools, every).await {
             tracing::warn!(%error, "could not publish the tool policy; keeping the fleet's last known");
         }
     }
+}
+
+/// Removes this worker's row at the end of a clean shutdown (at most 2 s; else it expires by
+/// its time to live).
+pub async fn leave(store: &Store, worker_id: &str) {
     let arg = json!({"workerKey": worker_id, "leaving": true});
-    if let Err(error) = store.call("agentloop_publish_tool_policy", &arg, Replay::Safe, None).await {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    if let Err(error) = store.call("agentloop_publish_tool_policy", &arg, Replay::Safe, Some(deadline)).await {
         tracing::warn!(%error, "could not withdraw the tool policy; it expires by itself");
     }
 }

@@ -457,6 +457,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     if tokio::time::timeout(Duration::from_secs(1), webhook_dispatcher).await.is_err() {
         tracing::warn!("webhook deliveries still in flight at exit; they are sent again after their lease");
     }
+    crate::fleet::leave(&store, &worker_id).await;
     stop.cancel();
     Ok(())
 }
