@@ -17,10 +17,11 @@
 //! The budget is shared, so nobody may hold all of it (acceptance probe H: eight idle
 //! connections declaring 16 MiB imports, without any key, held the whole budget and every
 //! tenant's writes waited 10 s and failed `server_busy`):
-//! - the edge authenticates a request before it weighs its body; a request without any
-//!   credential (only `POST /api/session` takes one) takes from a small budget of its own
-//!   ([`ANONYMOUS_BUDGET`], bodies of at most [`ANONYMOUS_MAX_BODY`]), and one with a bad
-//!   credential is refused before its body is read;
+//! - the edge authenticates a request before it weighs its body; one with a bad credential, or
+//!   none, is refused before its body is read — except the sign-in (`POST /api/session`, whose
+//!   key is in its body), which takes from a small budget of its own ([`ANONYMOUS_BUDGET`],
+//!   bodies of at most [`ANONYMOUS_MAX_BODY`], at most [`ANONYMOUS_PER_ADDRESS`] in flight from
+//!   one source address);
 //! - one principal's bodies hold at most half the budget (one body larger than that takes the
 //!   whole half): its next body waits for its own earlier ones, within the same
 //!   `API_BODY_TIMEOUT_MS`, while other principals are served from the other half.
@@ -39,12 +40,18 @@ pub const ANONYMOUS_BUDGET: usize = 256 * 1024;
 /// Largest body of a request without a credential (a sign-in is ~100 bytes).
 pub const ANONYMOUS_MAX_BODY: usize = 16 * 1024;
 
-/// Whose body: the authenticated principal's, or nobody's (no credential).
+/// Whose body: the authenticated principal's, or nobody's (no credential: a sign-in), from
+/// this source address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Owner {
     Principal(Uuid),
-    Anonymous,
+    Anonymous(Option<std::net::IpAddr>),
 }
+
+/// Bodies without a credential in flight from one source address (verification probe I: 40
+/// keyless connections that never finished their bodies filled the anonymous budget, and every
+/// browser sign-in waited 10 s and failed `server_busy`).
+pub const ANONYMOUS_PER_ADDRESS: usize = 4;
 
 type Shares = Arc<Mutex<HashMap<Uuid, Arc<Semaphore>>>>;
 
@@ -56,12 +63,15 @@ pub struct BodyBudget {
     /// Each principal's share (half the budget), while it has bodies in flight or waiting:
     /// entries are removed when the last permit of one is given back.
     shares: Shares,
+    /// Anonymous bodies in flight per source address (entries removed at zero).
+    addresses: Arc<Mutex<HashMap<std::net::IpAddr, usize>>>,
 }
 
 /// Bytes of the budget held by one request; given back when dropped.
 pub struct BodyPermit {
     permit: Option<OwnedSemaphorePermit>,
     share: Option<(OwnedSemaphorePermit, Shares, Uuid)>,
+    address: Option<(Arc<Mutex<HashMap<std::net::IpAddr, usize>>>, std::net::IpAddr)>,
     bytes: usize,
 }
 
@@ -72,6 +82,19 @@ impl Drop for BodyPermit {
         if let Some((permit, shares, principal)) = self.share.take() {
             drop(permit);
             forget_idle(&shares, principal);
+        }
+        if let Some((addresses, ip)) = self.address.take() {
+            leave_address(&addresses, ip);
+        }
+    }
+}
+
+fn leave_address(addresses: &Mutex<HashMap<std::net::IpAddr, usize>>, ip: std::net::IpAddr) {
+    let mut addresses = addresses.lock().expect("body budget lock");
+    if let Some(n) = addresses.get_mut(&ip) {
+        *n -= 1;
+        if *n == 0 {
+            addresses.remove(&ip);
         }
     }
 }
@@ -93,6 +116,7 @@ impl BodyBudget {
             anonymous: Arc::new(Semaphore::new(ANONYMOUS_BUDGET.min(total))),
             total,
             shares: Arc::default(),
+            addresses: Arc::default(),
         }
     }
 
@@ -119,11 +143,37 @@ impl BodyBudget {
     pub async fn acquire(&self, bytes: usize, wait: Duration, owner: Owner) -> Result<BodyPermit, ApiError> {
         let deadline = tokio::time::Instant::now() + wait;
         let principal = match owner {
-            Owner::Anonymous => {
+            Owner::Anonymous(ip) => {
+                let address = match ip {
+                    Some(ip) => {
+                        let mut addresses = self.addresses.lock().expect("body budget lock");
+                        let n = addresses.entry(ip).or_insert(0);
+                        if *n >= ANONYMOUS_PER_ADDRESS {
+                            crate::limits::count_refusal("body_budget_address");
+                            return Err(ApiError::TooManyRequests {
+                                code: "too_many_bodies_in_flight",
+                                message: format!(
+                                    "at most {ANONYMOUS_PER_ADDRESS} requests without a credential may send their bodies at once from one address"
+                                ),
+                                retry_after_s: 1,
+                            });
+                        }
+                        *n += 1;
+                        Some((self.addresses.clone(), ip))
+                    }
+                    None => None,
+                };
                 let total = ANONYMOUS_BUDGET.min(self.total);
-                let permit = take(&self.anonymous, bytes.clamp(1, total), deadline, wait, total).await?;
-                // Not in the gauge (`bytes: 0`): that is the principals' budget.
-                return Ok(BodyPermit { permit: Some(permit), share: None, bytes: 0 });
+                match take(&self.anonymous, bytes.clamp(1, total), deadline, wait, total).await {
+                    // Not in the gauge (`bytes: 0`): that is the principals' budget.
+                    Ok(permit) => return Ok(BodyPermit { permit: Some(permit), share: None, address, bytes: 0 }),
+                    Err(error) => {
+                        if let Some((addresses, ip)) = address {
+                            leave_address(&addresses, ip);
+                        }
+                        return Err(error);
+                    }
+                }
             }
             Owner::Principal(principal) => principal,
         };
@@ -142,7 +192,7 @@ impl BodyBudget {
         match take(&self.permits, weight, deadline, wait, self.total).await {
             Ok(permit) => {
                 metrics::gauge!("agentloop_body_bytes_in_flight").increment(weight as f64);
-                Ok(BodyPermit { permit: Some(permit), share: Some((mine, self.shares.clone(), principal)), bytes: weight })
+                Ok(BodyPermit { permit: Some(permit), share: Some((mine, self.shares.clone(), principal)), address: None, bytes: weight })
             }
             Err(error) => {
                 drop(mine);
@@ -206,12 +256,12 @@ mod tests {
     #[tokio::test]
     async fn anonymous_bodies_and_one_principal_cannot_take_the_whole_budget() {
         let budget = BodyBudget::new(1024 * 1024);
-        let anonymous: Vec<_> = futures_util::future::join_all((0..16).map(|_| budget.acquire(16 * 1024, Duration::from_millis(10), Owner::Anonymous)))
+        let anonymous: Vec<_> = futures_util::future::join_all((0..16).map(|_| budget.acquire(16 * 1024, Duration::from_millis(10), Owner::Anonymous(None))))
             .await
             .into_iter()
             .map(Result::unwrap)
             .collect();
-        assert!(budget.acquire(16 * 1024, Duration::from_millis(10), Owner::Anonymous).await.is_err(), "the anonymous budget is spent");
+        assert!(budget.acquire(16 * 1024, Duration::from_millis(10), Owner::Anonymous(None)).await.is_err(), "the anonymous budget is spent");
         assert_eq!(budget.in_use(), 0, "the principals' budget is untouched");
         let greedy = Owner::Principal(Uuid::new_v4());
         let first = budget.acquire(400 * 1024, Duration::from_millis(10), greedy).await.unwrap();

@@ -8,8 +8,9 @@
 //! 3. the query string: a NUL character (`%00`) is 400 `invalid_query`;
 //! 4. the body of every request that has one (all methods but GET/HEAD/OPTIONS): a non-JSON
 //!    `Content-Type` is 415 `unsupported_media_type`; the request is authenticated (a bad
-//!    credential is refused before the body is read; one without any is held to the small
-//!    anonymous budget and 16 KiB bodies); it waits for its share of the body budget
+//!    credential, or none, is refused before the body is read; the sign-in, which carries its
+//!    key in its body, is held to the small anonymous budget, 16 KiB bodies and 4 in flight per
+//!    source address); it waits for its share of the body budget
 //!    (`MAX_BODY_BYTES_IN_FLIGHT`, [`crate::budget`]; at most `API_BODY_TIMEOUT_MS`, else 503
 //!    `server_busy`; one principal's bodies hold at most half of it), which it holds
 //!    until its route has answered; it is read within
@@ -259,15 +260,19 @@ async fn admit(req: &mut ServiceRequest, bounds: &BodyBounds<'_>) -> Result<Opti
     // route's extractor reuses this authentication (`extract::authenticate`).
     // The sign-in takes no credential (its key is in the body) and must work with a stale
     // session cookie: it is anonymous, whatever it carries.
+    // Every other route with a body needs a principal: without a credential it is refused before
+    // its body is waited for (verification probe I: a keyless request waited for its body and
+    // answered 408, holding the anonymous budget meanwhile).
     let sign_in = req.method() == Method::POST && req.path() == "/api/session";
+    let address = bounds.state.and_then(|s| crate::extract::client_ip(req.request(), s.trusted_proxy_hops));
     let owner = match bounds.state {
         Some(state) if !sign_in => match crate::extract::authenticate(state, req.request()).await? {
             Some(who) => crate::budget::Owner::Principal(who.0.id),
-            None => crate::budget::Owner::Anonymous,
+            None => return Err(ApiError::Unauthorized),
         },
-        _ => crate::budget::Owner::Anonymous,
+        _ => crate::budget::Owner::Anonymous(address),
     };
-    let (declared, limit) = if owner == crate::budget::Owner::Anonymous && bounds.state.is_some() {
+    let (declared, limit) = if matches!(owner, crate::budget::Owner::Anonymous(_)) && bounds.state.is_some() {
         if declared.is_some_and(|d| d > crate::budget::ANONYMOUS_MAX_BODY) {
             return Err(ApiError::PayloadTooLarge);
         }

@@ -782,24 +782,39 @@ async fn hostile_stalled_bodies_of_strangers_and_other_tenants_leave_a_tenant_ro
             let mut answer = Vec::new();
             let mut buf = [0u8; 4096];
             while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(20), s.read(&mut buf)).await {
+                answer.extend_from_slice(&buf[..n]);
                 if n == 0 || answer.windows(4).any(|w| w == b"\r\n\r\n") {
                     break;
                 }
-                answer.extend_from_slice(&buf[..n]);
             }
             String::from_utf8_lossy(&answer).lines().next().unwrap_or_default().to_owned()
         }
     };
-    // Without a key: a large declared body is refused at once; small ones fill only their own
-    // budget (256 KiB: 20 x 16,000 bytes overfill it).
+    // Without a key: refused at once, and a sign-in's large declared body too.
     let started = Instant::now();
     let big = stall("POST", "/api/threads/import".into(), None, 16 * 1024 * 1024).await;
-    assert!(big.starts_with("HTTP/1.1 413"), "{big}");
+    assert!(big.starts_with("HTTP/1.1 401"), "{big}");
+    let big_sign_in = stall("POST", "/api/session".into(), None, 16 * 1024 * 1024).await;
+    assert!(big_sign_in.starts_with("HTTP/1.1 413"), "{big_sign_in}");
     let bad_key = stall("POST", "/api/threads/import".into(), Some("nope".into()), 1_000_000).await;
     assert!(bad_key.starts_with("HTTP/1.1 401"), "{bad_key}");
+    // No key on a route that needs one: refused before the body is awaited (verification probe I).
+    let keyless = stall("POST", "/api/threads".into(), None, 1_000).await;
+    assert!(keyless.starts_with("HTTP/1.1 401"), "{keyless}");
     assert!(started.elapsed() < Duration::from_secs(2), "refused before the bodies were awaited: {:?}", started.elapsed());
+    // Stalled sign-ins: four in flight from one address, the others refused at once (verification
+    // probe I: forty of them filled the anonymous budget and every sign-in failed).
     let mut stalled = Vec::new();
-    for _ in 0..20 {
+    let started = Instant::now();
+    let signins: Vec<String> = futures_util::future::join_all((0..20).map(|_| {
+        let stall = &stall;
+        async move { tokio::time::timeout(Duration::from_secs(2), stall("POST", "/api/session".into(), None, 16_000)).await.unwrap_or_default() }
+    }))
+    .await;
+    let refused = signins.iter().filter(|l| l.starts_with("HTTP/1.1 429")).count();
+    assert_eq!(refused, 16, "{signins:?}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    for _ in 0..4 {
         stalled.push(tokio::spawn(stall("POST", "/api/session".into(), None, 16_000)));
     }
     // Tenant B: four stalled 900 KB bodies; its half (1 MB) holds one of them.
@@ -816,7 +831,7 @@ async fn hostile_stalled_bodies_of_strangers_and_other_tenants_leave_a_tenant_ro
     assert!(started.elapsed() < Duration::from_secs(3), "tenant A waited {:?}", started.elapsed());
     for s in stalled {
         let line = s.await.unwrap();
-        assert!(line.starts_with("HTTP/1.1 408") || line.starts_with("HTTP/1.1 503"), "{line}");
+        assert!(["408", "503", "429"].iter().any(|c| line.starts_with(&format!("HTTP/1.1 {c}"))), "{line}");
     }
     // The sign-in takes no credential: a stale session cookie does not stop it.
     let r = reqwest::Client::new()
