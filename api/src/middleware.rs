@@ -254,15 +254,12 @@ async fn admit(req: &mut ServiceRequest, bounds: &BodyBounds<'_>) -> Result<Opti
         // A chunked body (no length) is weighed at its limit: it may grow that large.
         other => other.map(|length| length as usize),
     };
-    // Who sends it, before anything of it is weighed or read: a bad credential is refused now,
-    // and a request without any (a sign-in) is held to the small anonymous budget, so nobody
-    // without a key can hold the budget the tenants' writes need (acceptance probe H). The
-    // route's extractor reuses this authentication (`extract::authenticate`).
-    // The sign-in takes no credential (its key is in the body) and must work with a stale
-    // session cookie: it is anonymous, whatever it carries.
-    // Every other route with a body needs a principal: without a credential it is refused before
-    // its body is waited for (verification probe I: a keyless request waited for its body and
-    // answered 408, holding the anonymous budget meanwhile).
+    // Who sends it, before anything of it is weighed or read, so nobody without a key can hold
+    // the budget the tenants' writes need (acceptance probe H; verification probe I). Every route
+    // with a body but the sign-in needs a principal: a bad credential, or none, is refused now
+    // (the route's extractor reuses this authentication, `extract::authenticate`). The sign-in
+    // carries its key in its body and must work with a stale session cookie: it is anonymous,
+    // whatever it carries, and held to the small anonymous budget (`budget::Owner::Anonymous`).
     let sign_in = req.method() == Method::POST && req.path() == "/api/session";
     let address = bounds.state.and_then(|s| crate::extract::client_ip(req.request(), s.trusted_proxy_hops));
     let owner = match bounds.state {
