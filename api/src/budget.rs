@@ -26,14 +26,14 @@
 //!   whole half): its next body waits for its own earlier ones, within the same
 //!   `API_BODY_TIMEOUT_MS`, while other principals are served from the other half.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use uuid::Uuid;
 
 use crate::error::ApiError;
+use crate::limits::{KeyedPermit, KeyedSemaphores};
 
 /// Bytes of bodies in flight of requests without a credential, per process.
 pub const ANONYMOUS_BUDGET: usize = 256 * 1024;
@@ -53,25 +53,24 @@ pub enum Owner {
 /// browser sign-in waited 10 s and failed `server_busy`).
 pub const ANONYMOUS_PER_ADDRESS: usize = 4;
 
-type Shares = Arc<Mutex<HashMap<Uuid, Arc<Semaphore>>>>;
-
 /// The body budget of one api process.
 pub struct BodyBudget {
     permits: Arc<Semaphore>,
     anonymous: Arc<Semaphore>,
     total: usize,
-    /// Each principal's share (half the budget), while it has bodies in flight or waiting:
-    /// entries are removed when the last permit of one is given back.
-    shares: Shares,
-    /// Anonymous bodies in flight per source address (entries removed at zero).
-    addresses: Arc<Mutex<HashMap<std::net::IpAddr, usize>>>,
+    /// Each principal's share (half the budget), while it has bodies in flight or waiting.
+    shares: KeyedSemaphores<Uuid>,
+    /// Anonymous bodies in flight per source address.
+    addresses: KeyedSemaphores<std::net::IpAddr>,
 }
 
 /// Bytes of the budget held by one request; given back when dropped.
 pub struct BodyPermit {
     permit: Option<OwnedSemaphorePermit>,
-    share: Option<(OwnedSemaphorePermit, Shares, Uuid)>,
-    address: Option<(Arc<Mutex<HashMap<std::net::IpAddr, usize>>>, std::net::IpAddr)>,
+    /// The principal's share, given back after `permit`.
+    _share: Option<KeyedPermit<Uuid>>,
+    /// The source address's slot (a body without a credential).
+    _address: Option<KeyedPermit<std::net::IpAddr>>,
     bytes: usize,
 }
 
@@ -79,31 +78,6 @@ impl Drop for BodyPermit {
     fn drop(&mut self) {
         metrics::gauge!("agentloop_body_bytes_in_flight").decrement(self.bytes as f64);
         drop(self.permit.take());
-        if let Some((permit, shares, principal)) = self.share.take() {
-            drop(permit);
-            forget_idle(&shares, principal);
-        }
-        if let Some((addresses, ip)) = self.address.take() {
-            leave_address(&addresses, ip);
-        }
-    }
-}
-
-fn leave_address(addresses: &Mutex<HashMap<std::net::IpAddr, usize>>, ip: std::net::IpAddr) {
-    let mut addresses = addresses.lock().expect("body budget lock");
-    if let Some(n) = addresses.get_mut(&ip) {
-        *n -= 1;
-        if *n == 0 {
-            addresses.remove(&ip);
-        }
-    }
-}
-
-/// Removes `principal`'s share when nobody holds or waits for it (only the map refers to it).
-fn forget_idle(shares: &Shares, principal: Uuid) {
-    let mut shares = shares.lock().expect("body budget lock");
-    if shares.get(&principal).is_some_and(|s| Arc::strong_count(s) == 1) {
-        shares.remove(&principal);
     }
 }
 
@@ -115,8 +89,8 @@ impl BodyBudget {
             permits: Arc::new(Semaphore::new(total)),
             anonymous: Arc::new(Semaphore::new(ANONYMOUS_BUDGET.min(total))),
             total,
-            shares: Arc::default(),
-            addresses: Arc::default(),
+            shares: KeyedSemaphores::new((total / 2).max(1)),
+            addresses: KeyedSemaphores::new(ANONYMOUS_PER_ADDRESS),
         }
     }
 
@@ -130,11 +104,6 @@ impl BodyBudget {
         self.total - self.permits.available_permits()
     }
 
-    /// One principal's share: half the budget (at least 1 byte).
-    fn share(&self) -> usize {
-        (self.total / 2).max(1)
-    }
-
     /// Takes `bytes` of the budget for `owner` (at most all of it), waiting at most `wait` in
     /// all: first for the owner's share (a principal's bodies in flight take at most half the
     /// budget, a body larger than that takes the whole share; requests without a credential
@@ -145,10 +114,9 @@ impl BodyBudget {
         let principal = match owner {
             Owner::Anonymous(ip) => {
                 let address = match ip {
-                    Some(ip) => {
-                        let mut addresses = self.addresses.lock().expect("body budget lock");
-                        let n = addresses.entry(ip).or_insert(0);
-                        if *n >= ANONYMOUS_PER_ADDRESS {
+                    Some(ip) => match self.addresses.try_acquire(ip) {
+                        Some(slot) => Some(slot),
+                        None => {
                             crate::limits::count_refusal("body_budget_address");
                             return Err(ApiError::TooManyRequests {
                                 code: "too_many_bodies_in_flight",
@@ -158,48 +126,23 @@ impl BodyBudget {
                                 retry_after_s: 1,
                             });
                         }
-                        *n += 1;
-                        Some((self.addresses.clone(), ip))
-                    }
+                    },
                     None => None,
                 };
                 let total = ANONYMOUS_BUDGET.min(self.total);
-                match take(&self.anonymous, bytes.clamp(1, total), deadline, wait, total).await {
-                    // Not in the gauge (`bytes: 0`): that is the principals' budget.
-                    Ok(permit) => return Ok(BodyPermit { permit: Some(permit), share: None, address, bytes: 0 }),
-                    Err(error) => {
-                        if let Some((addresses, ip)) = address {
-                            leave_address(&addresses, ip);
-                        }
-                        return Err(error);
-                    }
-                }
+                let permit = take(&self.anonymous, bytes.clamp(1, total), deadline, wait, total).await?;
+                // Not in the gauge (`bytes: 0`): that is the principals' budget.
+                return Ok(BodyPermit { permit: Some(permit), _share: None, _address: address, bytes: 0 });
             }
             Owner::Principal(principal) => principal,
         };
-        let share = self.share();
-        let semaphore = self.shares.lock().expect("body budget lock").entry(principal).or_insert_with(|| Arc::new(Semaphore::new(share))).clone();
-        let mine = take(&semaphore, bytes.clamp(1, share), deadline, wait, self.total).await;
-        drop(semaphore);
-        let mine = match mine {
-            Ok(permit) => permit,
-            Err(error) => {
-                forget_idle(&self.shares, principal);
-                return Err(error);
-            }
+        let Some(share) = self.shares.acquire_until(principal, bytes, deadline).await else {
+            return Err(busy(wait, self.total));
         };
         let weight = bytes.clamp(1, self.total);
-        match take(&self.permits, weight, deadline, wait, self.total).await {
-            Ok(permit) => {
-                metrics::gauge!("agentloop_body_bytes_in_flight").increment(weight as f64);
-                Ok(BodyPermit { permit: Some(permit), share: Some((mine, self.shares.clone(), principal)), address: None, bytes: weight })
-            }
-            Err(error) => {
-                drop(mine);
-                forget_idle(&self.shares, principal);
-                Err(error)
-            }
-        }
+        let permit = take(&self.permits, weight, deadline, wait, self.total).await?;
+        metrics::gauge!("agentloop_body_bytes_in_flight").increment(weight as f64);
+        Ok(BodyPermit { permit: Some(permit), _share: Some(share), _address: None, bytes: weight })
     }
 }
 
@@ -215,17 +158,20 @@ async fn take(
     match tokio::time::timeout_at(deadline, semaphore.clone().acquire_many_owned(weight)).await {
         Ok(Ok(permit)) => Ok(permit),
         // The semaphores are never closed; a timeout is the only way here.
-        _ => {
-            crate::limits::count_refusal("body_budget");
-            Err(ApiError::Unavailable {
-                code: "server_busy",
-                message: format!(
-                    "the server is holding as many request bodies as it is configured for (MAX_BODY_BYTES_IN_FLIGHT, {total} bytes; \
-                     one principal at most half) and none was freed within {} ms; retry shortly",
-                    wait.as_millis()
-                ),
-            })
-        }
+        _ => Err(busy(wait, total)),
+    }
+}
+
+/// 503 `server_busy`: nothing of the budget was freed within `wait`.
+fn busy(wait: Duration, total: usize) -> ApiError {
+    crate::limits::count_refusal("body_budget");
+    ApiError::Unavailable {
+        code: "server_busy",
+        message: format!(
+            "the server is holding as many request bodies as it is configured for (MAX_BODY_BYTES_IN_FLIGHT, {total} bytes; \
+             one principal at most half) and none was freed within {} ms; retry shortly",
+            wait.as_millis()
+        ),
     }
 }
 
@@ -279,6 +225,6 @@ mod tests {
         drop(big);
         drop(anonymous);
         assert_eq!(budget.in_use(), 0);
-        assert!(budget.shares.lock().unwrap().is_empty(), "shares are forgotten when idle");
+        assert_eq!(budget.shares.keys_in_use(), 0, "shares are forgotten when idle");
     }
 }

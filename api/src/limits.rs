@@ -28,6 +28,92 @@ use uuid::Uuid;
 
 use crate::error::ApiError;
 
+/// Semaphores of `capacity` permits each, one per key, made when a key first asks and removed
+/// when its last permit is given back and nobody waits for one — so the map holds only keys
+/// with something in flight, however many keys clients invent. Used for the per-principal
+/// shares of the body budget, the anonymous bodies per source address
+/// (`crate::budget`) and the heavy reads per principal ([`Limits::heavy_read`]).
+pub struct KeyedSemaphores<K: Eq + std::hash::Hash + Copy> {
+    capacity: usize,
+    map: std::sync::Arc<Mutex<HashMap<K, std::sync::Arc<tokio::sync::Semaphore>>>>,
+}
+
+/// Permits of one key of a [`KeyedSemaphores`]; given back (and the key forgotten when idle)
+/// when dropped.
+pub struct KeyedPermit<K: Eq + std::hash::Hash + Copy> {
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    map: std::sync::Arc<Mutex<HashMap<K, std::sync::Arc<tokio::sync::Semaphore>>>>,
+    key: K,
+}
+
+impl<K: Eq + std::hash::Hash + Copy> KeyedSemaphores<K> {
+    /// Every key gets `capacity` permits (at least 1).
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity: capacity.clamp(1, tokio::sync::Semaphore::MAX_PERMITS), map: std::sync::Arc::default() }
+    }
+
+    /// Permits each key has.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn semaphore(&self, key: K) -> std::sync::Arc<tokio::sync::Semaphore> {
+        let capacity = self.capacity;
+        self.map.lock().expect("keyed semaphores lock").entry(key).or_insert_with(|| std::sync::Arc::new(tokio::sync::Semaphore::new(capacity))).clone()
+    }
+
+    /// `n` permits of `key` (clamped to 1..=capacity), waiting until `deadline`; `None` when
+    /// none came in time.
+    pub async fn acquire_until(&self, key: K, n: usize, deadline: tokio::time::Instant) -> Option<KeyedPermit<K>> {
+        let semaphore = self.semaphore(key);
+        let n = n.clamp(1, self.capacity).min(u32::MAX as usize) as u32;
+        let acquired = tokio::time::timeout_at(deadline, semaphore.clone().acquire_many_owned(n)).await;
+        drop(semaphore);
+        match acquired {
+            Ok(Ok(permit)) => Some(KeyedPermit { permit: Some(permit), map: self.map.clone(), key }),
+            // The semaphores are never closed; a timeout is the only way here.
+            _ => {
+                forget_idle(&self.map, key);
+                None
+            }
+        }
+    }
+
+    /// One permit of `key` now, or `None` without waiting.
+    pub fn try_acquire(&self, key: K) -> Option<KeyedPermit<K>> {
+        let semaphore = self.semaphore(key);
+        let acquired = semaphore.clone().try_acquire_owned();
+        drop(semaphore);
+        match acquired {
+            Ok(permit) => Some(KeyedPermit { permit: Some(permit), map: self.map.clone(), key }),
+            Err(_) => {
+                forget_idle(&self.map, key);
+                None
+            }
+        }
+    }
+
+    /// Keys with permits held or awaited now.
+    pub fn keys_in_use(&self) -> usize {
+        self.map.lock().expect("keyed semaphores lock").len()
+    }
+}
+
+impl<K: Eq + std::hash::Hash + Copy> Drop for KeyedPermit<K> {
+    fn drop(&mut self) {
+        drop(self.permit.take());
+        forget_idle(&self.map, self.key);
+    }
+}
+
+/// Removes `key`'s semaphore when nobody holds or waits for it (only the map refers to it).
+fn forget_idle<K: Eq + std::hash::Hash>(map: &Mutex<HashMap<K, std::sync::Arc<tokio::sync::Semaphore>>>, key: K) {
+    let mut map = map.lock().expect("keyed semaphores lock");
+    if map.get(&key).is_some_and(|s| std::sync::Arc::strong_count(s) == 1) {
+        map.remove(&key);
+    }
+}
+
 /// Configured bounds (see `ApiConfig`).
 #[derive(Debug, Clone)]
 pub struct LimitSettings {
@@ -58,7 +144,7 @@ pub struct Limits {
     live: Mutex<LiveTable>,
     next_live: AtomicU64,
     /// Each principal's heavy-read permits while it has heavy reads running or waiting.
-    heavy: std::sync::Arc<Mutex<HashMap<Uuid, std::sync::Arc<tokio::sync::Semaphore>>>>,
+    heavy: KeyedSemaphores<Uuid>,
 }
 
 #[derive(Default)]
@@ -122,6 +208,7 @@ impl Limits {
         let per_minute = nonzero(settings.auth_failures_per_minute);
         let burst = nonzero(settings.auth_failures_per_minute.saturating_sub(1));
         let failures = governor::RateLimiter::keyed(Quota::per_minute(per_minute).allow_burst(burst));
+        let heavy = KeyedSemaphores::new(settings.heavy_reads_per_principal);
         Self {
             settings,
             requests,
@@ -129,7 +216,7 @@ impl Limits {
             blocked: Mutex::default(),
             live: Mutex::default(),
             next_live: AtomicU64::new(1),
-            heavy: std::sync::Arc::default(),
+            heavy,
         }
     }
 
@@ -144,27 +231,14 @@ impl Limits {
     }
 
     async fn heavy_read_within(&self, principal: Uuid, wait: Duration) -> Result<HeavyRead, ApiError> {
-        let per_principal = self.settings.heavy_reads_per_principal.max(1);
-        let semaphore = self
-            .heavy
-            .lock()
-            .expect("limits lock")
-            .entry(principal)
-            .or_insert_with(|| std::sync::Arc::new(tokio::sync::Semaphore::new(per_principal)))
-            .clone();
-        let acquired = tokio::time::timeout(wait, semaphore.clone().acquire_owned()).await;
-        drop(semaphore);
-        match acquired {
-            Ok(Ok(permit)) => Ok(HeavyRead { permit: Some(permit), heavy: self.heavy.clone(), principal }),
-            _ => {
-                forget_idle(&self.heavy, principal);
-                Err(too_many(
-                    "too_many_heavy_reads",
-                    "heavy_reads",
-                    Duration::from_secs(1),
-                    format!("at most {per_principal} searches or exports of one principal run at once; retry when one has answered"),
-                ))
-            }
+        match self.heavy.acquire_until(principal, 1, tokio::time::Instant::now() + wait).await {
+            Some(permit) => Ok(HeavyRead { _permit: permit }),
+            None => Err(too_many(
+                "too_many_heavy_reads",
+                "heavy_reads",
+                Duration::from_secs(1),
+                format!("at most {} searches or exports of one principal run at once; retry when one has answered", self.heavy.capacity()),
+            )),
         }
     }
 
@@ -318,24 +392,7 @@ impl Limits {
 
 /// A running heavy read ([`Limits::heavy_read`]); dropping it gives its permit back.
 pub struct HeavyRead {
-    permit: Option<tokio::sync::OwnedSemaphorePermit>,
-    heavy: std::sync::Arc<Mutex<HashMap<Uuid, std::sync::Arc<tokio::sync::Semaphore>>>>,
-    principal: Uuid,
-}
-
-impl Drop for HeavyRead {
-    fn drop(&mut self) {
-        drop(self.permit.take());
-        forget_idle(&self.heavy, self.principal);
-    }
-}
-
-/// Removes `principal`'s semaphore when nobody holds or waits for it (only the map refers to it).
-fn forget_idle(heavy: &Mutex<HashMap<Uuid, std::sync::Arc<tokio::sync::Semaphore>>>, principal: Uuid) {
-    let mut heavy = heavy.lock().expect("limits lock");
-    if heavy.get(&principal).is_some_and(|s| std::sync::Arc::strong_count(s) == 1) {
-        heavy.remove(&principal);
-    }
+    _permit: KeyedPermit<Uuid>,
 }
 
 /// One open live-update connection; dropping it closes it in the registry.
@@ -447,7 +504,7 @@ mod tests {
         };
         let (third, ()) = tokio::join!(third, ender);
         drop((third.unwrap(), second));
-        assert!(limits.heavy.lock().unwrap().is_empty(), "idle principals are forgotten");
+        assert_eq!(limits.heavy.keys_in_use(), 0, "idle principals are forgotten");
     }
 
     #[test]

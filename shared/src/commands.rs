@@ -281,6 +281,11 @@ pub struct OpenAiKey<'a> {
     pub fingerprint: &'a str,
 }
 
+/// Messages a `/v1/chat/completions` request may carry, and its conversation may hold once the
+/// server's own calls of earlier requests are put back (migration 000041: 400
+/// `too_many_messages`).
+pub const OPENAI_MAX_MESSAGES: usize = 10_000;
+
 /// The OpenAI endpoint's hidden thread (`agentloop_openai_start`): `messages` (step-function
 /// messages), a one-slice run, `client_tools` (OpenAI function specs the worker offers and
 /// returns to the caller instead of running), `settings` (`{maxTokens?, temperature?}`, the
@@ -302,7 +307,7 @@ pub async fn openai_start(
     key: Option<OpenAiKey<'_>>,
 ) -> Result<Value, StoreError> {
     let mut arg = json!({"principalId": principal, "model": model, "messages": messages, "clientTools": client_tools,
-                         "settings": settings, "holder": holder, "leaseMs": lease_ms});
+                         "settings": settings, "holder": holder, "leaseMs": lease_ms, "maxMessages": OPENAI_MAX_MESSAGES});
     let replay = match key {
         Some(key) => {
             arg["commandId"] = json!(key.command_id);

@@ -472,7 +472,51 @@ async fn openai_a_client_tool_loop_keeps_the_server_calls_in_the_model_context()
         assert_eq!(last.len(), server + 4, "{last:?}");
         let paid: i64 = db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = 'paid'", &[]).await.unwrap().get(0);
         assert_eq!(paid, if stream { 2 } else { 1 }, "one payment per loop");
+        if stream {
+            continue;
+        }
+        // The conversation after the server's calls are put back is bounded like the request
+        // (migration 000041; before, it was counted only before, and grew past the bound).
+        let limit = 10_000;
+        let mut full: Vec<Value> = (0..limit - messages.len()).map(|i| json!({"role": "user", "content": format!("filler {i}")})).collect();
+        full.extend(messages.iter().cloned());
+        assert_eq!(full.len(), limit);
+        let body = json!({"model": "mock", "messages": full, "tools": tools});
+        let r = http.post(&url).bearer_auth(&stack.key).json(&body).send().await.unwrap();
+        let status = r.status();
+        let error: Value = r.json().await.unwrap();
+        assert_eq!(status, 400, "{error}");
+        assert_eq!(error["error"]["code"], "too_many_messages", "{error}");
+        let paid: i64 = db.query_one("SELECT count(*) FROM agentloop_test_effects WHERE label = 'paid'", &[]).await.unwrap().get(0);
+        assert_eq!(paid, 1, "a refused request ran nothing");
     }
+    // A run's messages are put back once, however many of the client's messages carry its
+    // calls (migration 000041; before, a copy before each): two parallel client calls, sent
+    // back as two assistant messages.
+    let steps = json!([
+        {"text": "paying", "toolCalls": [{"name": "record_effect", "arguments": {"label": "split"}}]},
+        {"text": "looking up", "toolCalls": [{"name": "lookup", "arguments": {"q": "a"}}, {"name": "lookup", "arguments": {"q": "b"}}]},
+        {"text": "done"}
+    ]);
+    let mut messages = vec![json!({"role": "user", "content": script(steps)})];
+    let body = json!({"model": "mock", "messages": messages, "tools": tools});
+    let completion: Value = http.post(&url).bearer_auth(&stack.key).json(&body).send().await.unwrap().json().await.unwrap();
+    let message = &completion["choices"][0]["message"];
+    let calls = message["tool_calls"].as_array().unwrap().clone();
+    assert_eq!(calls.len(), 2, "{completion}");
+    for (i, call) in calls.iter().enumerate() {
+        messages.push(json!({"role": "assistant", "content": if i == 0 { message["content"].clone() } else { json!("") }, "tool_calls": [call]}));
+        messages.push(json!({"role": "tool", "tool_call_id": call["id"], "content": format!("result {i}")}));
+    }
+    let body = json!({"model": "mock", "messages": messages, "tools": tools});
+    let r = http.post(&url).bearer_auth(&stack.key).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let sent = stack.mock.requests().await.unwrap();
+    let last = sent.last().unwrap()["messages"].as_array().unwrap().clone();
+    let paying = last.iter().filter(|m| m["content"] == "paying").count();
+    assert_eq!(paying, 1, "the run's messages were put back once: {last:?}");
+    let server_calls = last.iter().filter(|m| m["tool_calls"][0]["function"]["name"] == "record_effect").count();
+    assert_eq!(server_calls, 1, "{last:?}");
 }
 
 /// `Idempotency-Key` on `/v1/chat/completions` (migration 000036; acceptance probe F: the

@@ -212,7 +212,7 @@ pub async fn chat_completions(
     if body.n.is_some_and(|n| n != 1) {
         return Err(V1Error::bad_request("unsupported_n", "n", "only n = 1 is supported"));
     }
-    let limits = Limits { max_messages: 10_000, max_message_bytes: 4 * 1024 * 1024 };
+    let limits = Limits { max_messages: agentloop_shared::commands::OPENAI_MAX_MESSAGES, max_message_bytes: 4 * 1024 * 1024 };
     let (history, _) = import::messages(&body.messages, "messages", &limits).map_err(|e| {
         let code = if e.code == "invalid_import" { "invalid_messages" } else { e.code };
         V1Error::bad_request(code, e.param, e.message)
