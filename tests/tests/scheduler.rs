@@ -626,6 +626,56 @@ async fn a_worker_claims_only_runs_of_the_models_it_serves() {
     assert_eq!((done["status"].as_str(), done["attempts"].as_i64()), (Some("completed"), Some(1)), "{done}");
 }
 
+/// Slots given back between steps (migration 000042; acceptance probe H, H-3): a principal whose
+/// long agent loops hold every slot gives one back at a step boundary when another principal's
+/// turn waits, and the loops still complete, their steps not consumed by it. Before, the other
+/// principal waited for a whole slice (here 25 tool calls of 300 ms model turns, 7.5 s).
+#[tokio::test]
+async fn a_principal_whose_long_loops_hold_every_slot_gives_one_back_between_steps() {
+    let mut stack = Stack::start("slot_yield", StackOptions { workers: 0, ..Default::default() }).await.unwrap();
+    let a = stack.client();
+    let b = stack.client_for("tenant-b").unwrap();
+    stack.add_worker(&[("WORKER_CONCURRENCY", "2"), ("WORKER_YIELD_CHECK_MS", "300")]).unwrap();
+    let steps: Vec<Value> = (0..30)
+        .map(|i| json!({"delayMs": 300, "toolCalls": [{"name": "calculator", "arguments": {"expression": format!("{i}+1")}}]}))
+        .chain([json!({"text": "loop done"})])
+        .collect();
+    let mut a_runs = Vec::new();
+    for _ in 0..2 {
+        let thread = a.create_thread().await.unwrap();
+        let run = a.chat(&thread, &script(json!(steps))).await.unwrap();
+        a_runs.push(run["run"]["id"].as_str().unwrap().to_owned());
+    }
+    for run in &a_runs {
+        a.wait_run(run, Duration::from_secs(20), |r| r["status"] == "running").await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let thread = b.create_thread().await.unwrap();
+    let b_run = b.chat(&thread, &script(json!([{"text": "b"}]))).await.unwrap();
+    let b_done = b.wait_terminal(b_run["run"]["id"].as_str().unwrap(), Duration::from_secs(60)).await.unwrap();
+    assert_eq!(b_done["status"], "completed", "{b_done}");
+    let waited = (ts(&b_done["startedAt"]) - ts(&b_done["createdAt"])).num_milliseconds() as f64 / 1000.0;
+    assert!(waited < 3.0, "B's one-line turn waited {waited:.1} s for a slot held by A's loops");
+    for run in &a_runs {
+        let done = a.wait_terminal(run, Duration::from_secs(60)).await.unwrap();
+        assert_eq!(done["status"], "completed", "{done}");
+        assert_eq!(done["error"], Value::Null, "{done}");
+    }
+    let db = stack.db.client().await.unwrap();
+    let rows = db
+        .query("SELECT steps_used, faults, attempts FROM runs r WHERE principal_id = (SELECT principal_id FROM runs WHERE id = $1::text::uuid)", &[&a_runs[0]])
+        .await
+        .unwrap();
+    // Two claims per loop (two slices), and one more for each slot given back.
+    let claims: i32 = rows.iter().map(|r| r.get::<_, i32>(2)).sum();
+    assert!(claims > 4, "no slot was given back: {claims} claims");
+    for row in rows {
+        // 31 model turns: two slices by the tool-call limit (25), however often the slot was given back.
+        assert_eq!(row.get::<_, i32>(0), 2, "steps used");
+        assert_eq!(row.get::<_, i32>(1), 0, "faults");
+    }
+}
+
 /// Fair claims (migration 000034): a principal with a queue of slow runs does not hold every
 /// worker slot while another principal's turn waits. Before, runs were claimed oldest first
 /// whoever sent them, and B's one turn waited for all six of A's (acceptance probe E).

@@ -12,6 +12,7 @@ pub mod hidden_threads;
 pub mod maintenance;
 pub mod runner;
 pub mod slice;
+pub mod slot_yield;
 pub mod streaming;
 pub mod test_tools;
 pub mod title;
@@ -40,6 +41,14 @@ pub struct WorkerConfig {
     /// always appended, so a restarted process never reuses an identity.
     #[arg(long, env = "WORKER_ID")]
     pub worker_id: Option<String>,
+
+    /// How often in ms this process may ask, between two steps of a slice, whether its slot is
+    /// wanted by another principal with fewer runs running (only while every slot is busy and
+    /// a run was queued since; `worker::slot_yield`, migration 000042); the run whose slot is
+    /// wanted goes back to the queue with its progress. 0: never give a slot back before its
+    /// slice ends.
+    #[arg(long, env = "WORKER_YIELD_CHECK_MS", default_value = "1000", value_parser = parse_millis)]
+    pub yield_check: Duration,
 
     /// Lease duration in ms; a run whose lease is not renewed within it is claimable by others.
     #[arg(long, env = "WORKER_LEASE_MS", default_value = "15000", value_parser = parse_millis)]

@@ -116,6 +116,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         Timing { call_timeout: timing.call_timeout, retry_for: config.stream_throttle },
     )?;
     let _flusher = AbortOnDropHandle::new(tokio::spawn(streams.clone().run(stream_store, worker_id.clone(), config.stream_throttle, stop.clone())));
+    let slots_pressure = Arc::new(crate::slot_yield::SlotPressure::new(
+        (!config.yield_check.is_zero()).then_some(config.yield_check),
+        catalog.models.iter().map(|m| m.id.clone()).collect(),
+    ));
     let env = Arc::new(SliceEnv {
         store: store.clone(),
         provider: ProviderClient::with_limits(config.model_stream_idle, config.model_max_answer_bytes),
@@ -130,6 +134,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         approval_timeout: config.approval_timeout,
         schema_tokens_cache: std::sync::Mutex::new(None),
         titles: crate::title::Titles::default(),
+        slots: slots_pressure.clone(),
         oauth: crate::tool_calls::SignInSettings {
             key: config.oauth.tokens_key().context("OAUTH_TOKENS_KEY")?.map(Arc::new),
             redirect_url: config.oauth.oauth_redirect_url.clone().filter(|u| !u.trim().is_empty()),
@@ -364,6 +369,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                 }
             }
         }
+        env.slots.set_full(slices.len() >= slots);
         let approval_wait = approval_deadline.map_or(next_timer, |d| d.saturating_duration_since(Instant::now()));
         tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -381,12 +387,16 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
                                 }
                             }
                             Some(("approval", _)) => approvals_check = true,
-                            _ => pass_wanted = true,
+                            _ => {
+                                pass_wanted = true;
+                                env.slots.queued();
+                            }
                         }
                     }
                 }
                 Some(ListenerEvent::Resync) => {
                     pass_wanted = true;
+                    env.slots.queued();
                     webhook_wake.notify_one();
                 }
                 None => anyhow::bail!("listener task ended"),

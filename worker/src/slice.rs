@@ -64,6 +64,8 @@ pub struct SliceEnv {
     pub titles: crate::title::Titles,
     /// MCP sign-in settings (`OAUTH_*`).
     pub oauth: crate::tool_calls::SignInSettings,
+    /// Whether a slot is wanted by another principal (`crate::slot_yield`).
+    pub slots: Arc<crate::slot_yield::SlotPressure>,
 }
 
 impl SliceEnv {
@@ -509,6 +511,13 @@ async fn body(slice: &mut Slice, run: &Run, claim_start: Option<serde_json::Valu
             slice.commit(Commit { end: Some(SliceEnd::Requeued), ..Commit::default() }).await?;
             tracing::info!(tool_calls = slice_tool_calls, "tool-call limit of the slice reached: requeued");
             return Ok(SliceEnd::Requeued);
+        }
+        // Between two steps: another principal waiting with fewer runs running gets this slot
+        // (`crate::slot_yield`); the run goes back to the queue, its step not consumed.
+        if env.slots.slot_wanted(&env.store, run.id).await {
+            slice.commit(Commit { end: Some(SliceEnd::Yielded), ..Commit::default() }).await?;
+            tracing::info!(tool_calls = slice_tool_calls, "slot given to a principal with fewer runs running: requeued");
+            return Ok(SliceEnd::Yielded);
         }
     }
 }

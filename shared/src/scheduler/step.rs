@@ -139,6 +139,11 @@ pub enum SliceEnd {
     Requeued,
     /// Shutdown with the lease still held: back to `queued`, the step not consumed.
     Interrupted,
+    /// The slot was given to another principal between two steps (the worker's
+    /// `slot_yield`, migration 000042): written as [`SliceEnd::Interrupted`] — back to
+    /// `queued`, the step not consumed.
+    #[serde(rename = "interrupted")]
+    Yielded,
     /// A transient fault the slice could not outlast: back to `queued`, the step not consumed;
     /// with `fault`, `faults + 1` (a run that keeps faulting without progress ends
     /// `abandoned`). Without: the database was unavailable to everyone (an outage, migration
@@ -167,6 +172,7 @@ impl SliceEnd {
             Self::Completed => "completed",
             Self::Requeued => "requeued",
             Self::Interrupted => "interrupted",
+            Self::Yielded => "yielded",
             Self::Handback { .. } => "handback",
             Self::Failed { .. } => "failed",
             Self::Cancelled { .. } => "cancelled",
