@@ -114,7 +114,9 @@ async fn edit_regenerate_and_delete_produce_the_right_branch_and_context() {
 
 #[tokio::test]
 async fn an_aborted_stream_leaves_history_untouched() {
-    let stack = Stack::start("aborted_stream", StackOptions::default()).await.unwrap();
+    // The run fails at the first cut (no slice-level retry; see scheduler.rs for those).
+    let options = StackOptions { worker_env: vec![("MODEL_RETRY_MS".into(), "0".into())], ..Default::default() };
+    let stack = Stack::start("aborted_stream", options).await.unwrap();
     let c = stack.client();
     let thread = c.create_thread().await.unwrap();
     let text = "one two three four five six seven eight nine ten eleven twelve";

@@ -273,7 +273,9 @@ async fn terminated_listeners_reconnect_and_nothing_is_lost() {
 
 #[tokio::test]
 async fn model_errors_are_retried_a_bounded_number_of_times() {
-    let stack = Stack::start("model_errors", StackOptions::default()).await.unwrap();
+    // MODEL_RETRY_MS=0: only the client's own retries (the slice's are tested below).
+    let options = StackOptions { worker_env: vec![("MODEL_RETRY_MS".into(), "0".into())], ..Default::default() };
+    let stack = Stack::start("model_errors", options).await.unwrap();
     let c = stack.client();
     // A transient 503 is retried and the run completes.
     let thread = c.create_thread().await.unwrap();
@@ -674,6 +676,52 @@ async fn a_principal_whose_long_loops_hold_every_slot_gives_one_back_between_ste
         assert_eq!(row.get::<_, i32>(0), 2, "steps used");
         assert_eq!(row.get::<_, i32>(1), 0, "faults");
     }
+}
+
+/// A model that stays unavailable past the client's retries, or cuts its stream mid-answer,
+/// does not fail the run while `MODEL_RETRY_MS` lasts: the slice calls it again after a pause,
+/// and the answer is whole and once (before: `model_unavailable` after 4 requests, and
+/// `model_stream_truncated` / `model_transport_error` at the first cut). A model that stays
+/// down past the patience still fails the run with the error's code, and a cancel ends the wait.
+#[tokio::test]
+async fn a_model_outage_within_model_retry_ms_fails_nothing() {
+    let options = StackOptions { worker_env: vec![("MODEL_RETRY_MS".into(), "12000".into())], ..Default::default() };
+    let stack = Stack::start("model_outage", options).await.unwrap();
+    let c = stack.client();
+    // Six 503s: four requests of the first call, two of the second, then the answer.
+    let thread = c.create_thread().await.unwrap();
+    let posted = c.chat(&thread, &script(json!([{"status": 503, "failTimes": 6, "text": "recovered"}]))).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), Duration::from_secs(60)).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    // A stream cut mid-answer twice: the third call's answer, whole, once.
+    let thread = c.create_thread().await.unwrap();
+    let text = "one two three four five six seven eight nine ten eleven twelve";
+    let posted = c.chat(&thread, &script(json!([{"text": text, "malformed": "truncate", "failTimes": 2, "chunkDelayMs": 20}]))).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), Duration::from_secs(60)).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let w = c.get(&format!("/api/threads/{thread}")).await.unwrap().body;
+    let answers: Vec<&Value> = w["messages"].as_array().unwrap().iter().filter(|m| m["role"] == "assistant").collect();
+    assert_eq!(answers.len(), 1, "{w}");
+    assert_eq!(answers[0]["content"], text);
+    assert_eq!(w["streamingMessage"], Value::Null);
+    // Down for good: fails with the code once the patience is spent.
+    let thread = c.create_thread().await.unwrap();
+    let started = std::time::Instant::now();
+    let posted = c.chat(&thread, &script(json!([{"status": 500}]))).await.unwrap();
+    let run = c.wait_terminal(posted["run"]["id"].as_str().unwrap(), Duration::from_secs(90)).await.unwrap();
+    assert_eq!((run["status"].as_str(), run["error"]["code"].as_str()), (Some("failed"), Some("model_unavailable")), "{run}");
+    assert!(started.elapsed() >= Duration::from_secs(10), "failed after {:?}, before MODEL_RETRY_MS", started.elapsed());
+    // A cancel ends the wait at once.
+    let thread = c.create_thread().await.unwrap();
+    let posted = c.chat(&thread, &script(json!([{"status": 500}]))).await.unwrap();
+    let run_id = posted["run"]["id"].as_str().unwrap().to_owned();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let cancelled = std::time::Instant::now();
+    let r = c.post(&format!("/api/runs/{run_id}/cancel"), json!({})).await.unwrap();
+    assert!(r.status < 300, "{r:?}");
+    let run = c.wait_terminal(&run_id, Duration::from_secs(30)).await.unwrap();
+    assert_eq!(run["status"], "cancelled", "{run}");
+    assert!(cancelled.elapsed() < Duration::from_secs(5), "the cancel waited {:?}", cancelled.elapsed());
 }
 
 /// Fair claims (migration 000034): a principal with a queue of slow runs does not hold every

@@ -263,11 +263,11 @@ async fn webhooks_deliver_run_events_signed_and_retried_with_backoff() {
     let stored: String = db.query_one("SELECT secret FROM webhooks", &[]).await.unwrap().get(0);
     assert!(stored.starts_with("v1:") && !stored.contains(&secret[6..]), "stored in the clear: {stored}");
 
-    // Three runs: completed, failed (the model answers 500), waiting for approval.
+    // Three runs: completed, failed (the model refuses the request: 400), waiting for approval.
     let thread_a = c.create_thread().await.unwrap();
     let completed = c.chat(&thread_a, &script(json!([{"text": "done"}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
     assert_eq!(c.wait_terminal(&completed, T).await.unwrap()["status"], "completed");
-    let failed = c.chat(&thread_a, &script(json!([{"status": 500}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
+    let failed = c.chat(&thread_a, &script(json!([{"status": 400}]))).await.unwrap()["run"]["id"].as_str().unwrap().to_owned();
     let failed_run = c.wait_terminal(&failed, T).await.unwrap();
     assert_eq!(failed_run["status"], "failed");
     let thread_b = c.create_thread().await.unwrap();

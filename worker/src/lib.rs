@@ -89,6 +89,15 @@ pub struct WorkerConfig {
     #[arg(long, env = "MODEL_STREAM_IDLE_MS", default_value = "300000", value_parser = parse_millis)]
     pub model_stream_idle: Duration,
 
+    /// How long in ms a slice goes on calling the model again after a call failed transiently
+    /// (rate limited, 5xx, connection refused or cut, a stream cut short or stalled — each call
+    /// already retried 3 times by the client), with a pause doubling from 1 s to 30 s, before
+    /// the run fails with the error's code; the run keeps its slot and lease meanwhile, and a
+    /// cancel or shutdown ends the wait. 0: fail after the client's retries. Runs of
+    /// `/v1/chat/completions` (whose caller waits and retries itself) never wait.
+    #[arg(long, env = "MODEL_RETRY_MS", default_value = "120000", value_parser = parse_millis)]
+    pub model_retry: Duration,
+
     /// Largest model answer in bytes (text + reasoning + tool calls) a slice assembles; a
     /// longer one is cut and the run fails `model_answer_too_large`. Bounds a slice's memory.
     #[arg(long, env = "MODEL_MAX_ANSWER_BYTES", default_value_t = agentloop_shared::provider::client::DEFAULT_MAX_ANSWER_BYTES,

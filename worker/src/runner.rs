@@ -134,6 +134,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         approval_timeout: config.approval_timeout,
         schema_tokens_cache: std::sync::Mutex::new(None),
         titles: crate::title::Titles::default(),
+        model_retry: config.model_retry,
         slots: slots_pressure.clone(),
         oauth: crate::tool_calls::SignInSettings {
             key: config.oauth.tokens_key().context("OAUTH_TOKENS_KEY")?.map(Arc::new),

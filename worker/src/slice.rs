@@ -64,6 +64,8 @@ pub struct SliceEnv {
     pub titles: crate::title::Titles,
     /// MCP sign-in settings (`OAUTH_*`).
     pub oauth: crate::tool_calls::SignInSettings,
+    /// How long a model call that failed transiently is tried again (`MODEL_RETRY_MS`).
+    pub model_retry: Duration,
     /// Whether a slot is wanted by another principal (`crate::slot_yield`).
     pub slots: Arc<crate::slot_yield::SlotPressure>,
 }
@@ -443,7 +445,7 @@ async fn body(slice: &mut Slice, run: &Run, claim_start: Option<serde_json::Valu
             max_tokens,
             temperature,
         };
-        let turn = call_model(slice, model, &request).await?;
+        let turn = call_model(slice, model, &request, if interactive { env.model_retry } else { Duration::ZERO }).await?;
         slice.usage.model_calls += 1;
         if let Some(usage) = &turn.usage {
             slice.usage.prompt_tokens += usage.prompt_tokens as i64;
@@ -554,11 +556,51 @@ async fn client_turn(
 /// history). A cancellation or a lost lease drops the request at once; a shutdown lets it
 /// finish (the answer is paid for: it is checkpointed, then the run handed back at the next safe
 /// point) unless the grace period runs short ([`SliceControl::model_call_stopped`]).
+///
+/// A call that failed transiently ([`ProviderError::transient`]) is made again, from the start
+/// (a new partial: watchers see it restart, as after a recovery), after a pause doubling from 1 s
+/// to 30 s, while `patience` since the first failure lasts (`MODEL_RETRY_MS`); a cancel, a lost
+/// lease or a shutdown ends the pause. Then the run fails with the last error's code.
+///
+/// [`ProviderError::transient`]: agentloop_shared::provider::client::ProviderError::transient
 async fn call_model(
     slice: &mut Slice,
     model: &ModelConfig,
     request: &ChatRequest,
+    patience: Duration,
 ) -> Result<agentloop_shared::provider::client::AssistantTurn, SliceError> {
+    let mut first_failure: Option<Instant> = None;
+    let mut pause = Duration::from_secs(1);
+    loop {
+        match call_model_once(slice, model, request).await? {
+            Ok(turn) => return Ok(turn),
+            Err(e) => {
+                // The failed call's partial is not an answer: a cancel during the pause keeps
+                // nothing of it.
+                slice.partial = None;
+                let since = *first_failure.get_or_insert_with(Instant::now);
+                if !e.transient() || since.elapsed() + pause > patience {
+                    return Err(failed(e.code(), e.to_string()));
+                }
+                tracing::warn!(model.name = %model.id, error.code = e.code(), error = %e, pause_ms = pause.as_millis() as u64,
+                               "model call failed; calling again after a pause (MODEL_RETRY_MS)");
+                metrics::counter!("agentloop_model_call_retries_total", "model" => model.id.clone(), "code" => e.code()).increment(1);
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    () = slice.control.aborted() => return Err(SliceError::Aborted),
+                }
+                pause = (pause * 2).min(Duration::from_secs(30));
+            }
+        }
+    }
+}
+
+/// One streamed model call (see [`call_model`]): `Ok(Err(_))` is the provider's error.
+async fn call_model_once(
+    slice: &mut Slice,
+    model: &ModelConfig,
+    request: &ChatRequest,
+) -> Result<Result<agentloop_shared::provider::client::AssistantTurn, agentloop_shared::provider::client::ProviderError>, SliceError> {
     let stream = slice.env.streams.open(&slice.lease, &slice.control);
     let partial = stream.partial.clone();
     slice.partial = Some(partial.clone());
@@ -601,8 +643,8 @@ async fn call_model(
                 malformed_chunks = turn.malformed_chunks,
                 "model call"
             );
-            Ok(turn)
+            Ok(Ok(turn))
         }
-        Err(e) => Err(failed(e.code(), e.to_string())),
+        Err(e) => Ok(Err(e)),
     }
 }

@@ -138,6 +138,13 @@ pub enum ProviderError {
 }
 
 impl ProviderError {
+    /// Whether the same request may well succeed later: a rate limit, a 5xx, a connection
+    /// refused or cut (before or during the stream), a stream cut short or stalled. Not: a 4xx
+    /// other than 429 (the request itself), a malformed response, an answer over the cap.
+    pub fn transient(&self) -> bool {
+        matches!(self, Self::RateLimited { .. } | Self::Unavailable { .. } | Self::Transport(_) | Self::Truncated | Self::Stalled(_))
+    }
+
     /// Stable snake_case code: `model_http_error`, `model_rate_limited`, `model_unavailable`,
     /// `model_transport_error`, `model_stream_truncated`, `model_malformed_response`,
     /// `model_stream_stalled`, `model_answer_too_large`.

@@ -140,7 +140,8 @@ struct Step {
     chunk_delay_ms: u64,
     /// Answer with this HTTP status and an OpenAI-style error body.
     status: Option<u16>,
-    /// Only the first `failTimes` requests reaching this (user text, step) fail; absent = all.
+    /// Only the first `failTimes` requests reaching this (user text, step) fail (`status`) or
+    /// are damaged (`malformed`); absent = all.
     fail_times: Option<u64>,
     /// `Retry-After` header of the error answer, in seconds.
     retry_after: Option<u64>,
@@ -388,9 +389,12 @@ fn scripted_reply(
             ..Step::default()
         });
 
+    // `failTimes` counts the requests that get the step's error status or wire damage.
+    let failing = (step.status.is_some() || step.malformed.is_some())
+        && failures.should_fail(&conversation.user_text, index, step.fail_times);
     let failure = step
         .status
-        .filter(|_| failures.should_fail(&conversation.user_text, index, step.fail_times))
+        .filter(|_| failing)
         .map(|status| Failure {
             status,
             retry_after_secs: step.retry_after,
@@ -432,7 +436,7 @@ fn scripted_reply(
         reasoning: step.reasoning.unwrap_or_default(),
         text,
         tool_calls,
-        malformed: step.malformed,
+        malformed: step.malformed.filter(|_| failing),
         usage: step.usage.unwrap_or_default(),
         finish_reason: step.finish_reason,
     }
