@@ -128,9 +128,12 @@ fn bounded(messages: impl Iterator<Item = Message>, budget: usize) -> Vec<Value>
 /// regenerate) has `branch: {index, count}` (the `‹ 1/2 ›` switcher).
 pub async fn window(conn: &mut AsyncPgConnection, thread: &Thread) -> diesel::QueryResult<Value> {
     let (head, tail) = messages::head_and_tail(conn, thread.id, WINDOW_HEAD, WINDOW_TAIL).await?;
-    let head_last = head.last().map(|m| m.sequence);
-    let tail: Vec<Message> = tail.into_iter().filter(|m| head_last.is_none_or(|h| m.sequence > h)).collect();
+    // The tail is what follows the head as SHOWN (cut at its byte budget), not as read: a short
+    // thread whose head was cut had its newest messages in neither part, and the page never
+    // showed its last answer (acceptance probe K, K-3).
     let head_json = bounded(head.into_iter(), WINDOW_HEAD_BYTES);
+    let head_last = head_json.last().and_then(|m| m.get("sequence")).and_then(Value::as_i64);
+    let tail: Vec<Message> = tail.into_iter().filter(|m| head_last.is_none_or(|h| m.sequence > h)).collect();
     let mut tail_json = bounded(tail.into_iter().rev(), WINDOW_TAIL_BYTES);
     tail_json.reverse();
     let range = |v: &[Value]| {

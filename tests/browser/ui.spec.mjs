@@ -202,6 +202,47 @@ export const tests = [
     },
   },
   {
+    name: '1b content cannot take the page; a lost answer to Send does not send the turn twice',
+    fn: async browser => {
+      const t = await open(browser, 'hostile');
+      const page = t.page;
+      const thread = await newThread(page);
+      // Acceptance probe K, K-1 / K-2: an answer whose ids, classes and layers are the page's own.
+      const evil = 'Here. <button id="composer" value="EVIL TURN" hidden>x</button><span id="send">s</span>' +
+        '<div class="modal" data-testid="fake-modal">Your session expired</div><dialog open>fake dialog</dialog>' +
+        '<div popover>layer</div>';
+      await send(page, 'Show. ' + mock([{ text: evil }]));
+      const answer = bubbles(page, 'assistant').filter({ hasText: 'Here.' }).first();
+      await answer.waitFor();
+      assert(await answer.locator('[id="composer"], [id="send"], .modal, dialog, [popover], [data-testid="fake-modal"]').count() === 0,
+        'the content has none of the page\'s ids, classes, dialogs or layers: ' + await answer.innerHTML());
+      assert(await answer.locator('[id="user-content-composer"]').count() === 1, 'content ids are prefixed');
+      await send(page, 'my own words');
+      await bubbles(page, 'assistant').filter({ hasText: 'my own words' }).first().waitFor();
+      let w = await apiJson(page, 'GET', '/api/threads/' + thread);
+      const users = w.body.messages.filter(m => m.role === 'user').map(m => m.content);
+      assert(users[users.length - 1] === 'my own words', 'the turn sent is what the user typed: ' + JSON.stringify(users));
+      // K-5: the turn reaches the server, its answer is lost; the user sends again.
+      let chats = 0;
+      await page.route('**/chat', async route => {
+        chats += 1;
+        if (chats === 1) { await route.fetch(); await route.abort('connectionreset'); } else await route.continue();
+      });
+      await send(page, 'only once please');
+      await page.locator(sel('error')).waitFor();
+      assert((await page.inputValue(sel('composer'))) === 'only once please', 'the text is kept to send again');
+      await sleep(1500);
+      await page.click(sel('send'));
+      await bubbles(page, 'assistant').filter({ hasText: 'only once please' }).first().waitFor();
+      await page.unroute('**/chat');
+      assert(chats === 2, `two requests: ${chats}`);
+      w = await apiJson(page, 'GET', '/api/threads/' + thread);
+      const sent = w.body.messages.filter(m => m.role === 'user' && m.content === 'only once please').length;
+      assert(sent === 1, `the resend was taken as the same turn: ${sent} turns`);
+      await shot(page, 'ui-01b-hostile');
+    },
+  },
+  {
     name: '2+3 phone layout: drawer, composer and Stop reachable; Stop keeps the partial answer; queue / interrupt',
     fn: async browser => {
       const t = await open(browser, 'phone', PHONE);

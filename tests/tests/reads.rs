@@ -121,6 +121,17 @@ async fn window_is_bounded_by_count_and_bytes_and_names_the_omitted_middle() {
     assert_eq!(seqs(&w["messages"]), range(1, 30));
     assert_eq!(w["messageWindow"]["omitted"]["count"], 0);
 
+    // A short thread whose head is cut by bytes: the tail is what follows the head as shown,
+    // so the newest messages are in the window (acceptance probe K, K-3: five messages of
+    // 100 KiB showed only the first, and named the other four as omitted up to no end).
+    let short_wide = c.create_thread().await.unwrap();
+    insert(&db, &short_wide, &filler(5, 100 * KIB)).await;
+    let w = c.get(&format!("/api/threads/{short_wide}")).await.unwrap().body;
+    let got = seqs(&w["messages"]);
+    assert_eq!(got.last(), Some(&5), "the newest message is shown: {got:?}");
+    assert_eq!(w["messageWindow"]["tail"]["last"], 5);
+    assert!(w["messageWindow"]["omitted"]["before"].is_i64(), "{}", w["messageWindow"]);
+
     // 200 messages of 10 KiB: the byte bounds cut before the count bounds.
     let wide = c.create_thread().await.unwrap();
     insert(&db, &wide, &filler(200, 10 * KIB)).await;

@@ -770,10 +770,11 @@ function dropMessages(V, seqs) {
 }
 
 // ---- older messages load on scrolling up ---------------------------------------------------------
-function addGap(V, after, before, count) {
+function addGap(V, after, before, count, later) {
   const g = {after, before, count, loading: false};
-  g.el = h('div', {class: 'gap', 'data-testid': 'load-earlier'},
-    h('span', {class: 'spinner'}), h('span', {text: (count ? fmt(count) + ' earlier messages' : 'Earlier messages') + ' — scroll up to load'}));
+  const what = later ? (count ? fmt(count) + ' more messages' : 'More messages') + ' — loading'
+    : (count ? fmt(count) + ' earlier messages' : 'Earlier messages') + ' — scroll up to load';
+  g.el = h('div', {class: 'gap', 'data-testid': 'load-earlier'}, h('span', {class: 'spinner'}), h('span', {text: what}));
   V.gaps.push(g);
   place(g.el, after + 0.5);
 }
@@ -815,9 +816,13 @@ async function loadGap(V, g) {
   V.gaps = V.gaps.filter(x => x !== g);
   got.forEach(m => addMessage(V, m));
   if (got.length) {
-    const first = got[0].sequence;
+    const first = got[0].sequence, last = got[got.length - 1].sequence;
     const left = Math.max(0, (g.count || 0) - got.length);
     if (r.hasMoreBefore !== false && first > g.after + 1) addGap(V, g.after, first, left);
+    // A page read forwards (a gap open at the bottom: the window left out the newest messages,
+    // larger than its budget) stops at its size: the rest of the gap stays to load — without it
+    // the newest answer never appeared after a reload (acceptance probe K, K-3).
+    else if (r.hasMoreAfter && last + 1 < g.before) addGap(V, last, g.before, left, true);
   }
   keep();
   setTimeout(onLogScroll, 50);
@@ -1040,6 +1045,19 @@ function onSendClick() {
   send();
 }
 
+/** The idempotency key of the turn being sent: a resend of the same text to the same chat
+ *  after a failure whose outcome the page cannot know (the request reached the server, the
+ *  answer was lost) carries the same key, so the server answers with the turn it already took
+ *  instead of taking it twice (acceptance probe K, K-5). A new text gets a new key. */
+let pendingTurn = null;
+function turnKey(threadId, content, multitask) {
+  const p = pendingTurn;
+  if (!p || p.threadId !== threadId || p.content !== content || p.multitask !== multitask) {
+    pendingTurn = {threadId, content, multitask, key: 'ui-' + crypto.randomUUID()};
+  }
+  return pendingTurn.key;
+}
+
 async function send(multitask) {
   const ta = $('#composer'), content = ta.value;
   if (!content.trim()) return;
@@ -1049,9 +1067,10 @@ async function send(multitask) {
   try {
     if (!S.V) await newThread();
     const V = S.V;
-    const body = {content};
+    const body = {content, commandId: turnKey(V.id, content, multitask || null)};
     if (multitask) body.multitask = multitask;
     const r = await api('POST', '/api/threads/' + V.id + '/chat', body);
+    pendingTurn = null;
     showError(null);
     ta.value = '';
     onComposerInput();

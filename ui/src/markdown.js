@@ -50,13 +50,38 @@ const marked = new Marked({
 });
 
 DOMPurify.addHook('afterSanitizeAttributes', node => {
+  // The code block's copy button (its test id; content's own `data-*` are dropped).
+  if (node.tagName === 'BUTTON' && node.classList.contains('copy-code')) node.setAttribute('data-testid', 'copy-code');
   if (node.tagName === 'A') {
     node.setAttribute('target', '_blank');
     node.setAttribute('rel', 'noopener noreferrer');
   }
 });
 
-const PURIFY = {USE_PROFILES: {html: true}, FORBID_TAGS: ['style', 'form', 'input', 'textarea', 'select'], FORBID_ATTR: ['style']};
+// Classes our own renderer and highlight.js put in rendered Markdown; any other class in the
+// content is dropped, so content cannot take the page's own look (acceptance probe K, K-2: an
+// answer with `class="modal"` covered the page with a fake sign-in dialog).
+const OWN_CLASS = /^(codeblock|codehead|lang|copy-code|hljs|hljs-[\w-]+|language-[\w+#.-]+)$/;
+DOMPurify.addHook('uponSanitizeAttribute', (node, data) => {
+  if (data.attrName === 'class') {
+    data.attrValue = data.attrValue.split(/\s+/).filter(c => OWN_CLASS.test(c)).join(' ');
+    if (!data.attrValue) data.keepAttr = false;
+  }
+});
+
+// Content never names the page's elements: `id` and `name` get a `user-content-` prefix
+// (SANITIZE_NAMED_PROPS), so `#composer` is always the page's composer (acceptance probe K,
+// K-1: an answer with `<button id="composer" value=...>` was found first by the page and its
+// value posted as the user's next turn); no `data-*` attributes (the page's own selectors);
+// nothing that opens a layer over the page (`dialog`, `popover`) or takes focus.
+const PURIFY = {
+  USE_PROFILES: {html: true},
+  SANITIZE_NAMED_PROPS: true,
+  ALLOW_DATA_ATTR: false,
+  FORBID_TAGS: ['style', 'form', 'input', 'textarea', 'select', 'option', 'dialog', 'template', 'slot'],
+  FORBID_ATTR: ['style', 'popover', 'popovertarget', 'popovertargetaction', 'command', 'commandfor', 'autofocus',
+                'tabindex', 'accesskey', 'form', 'formaction', 'inert'],
+};
 
 /** Sanitised HTML of Markdown `text`. */
 export function renderMarkdown(text) {
