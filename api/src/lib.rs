@@ -49,7 +49,7 @@ pub struct ApiConfig {
     pub dev_loopback_principal: bool,
 
     /// SSE heartbeat interval in ms.
-    #[arg(long, env = "SSE_HEARTBEAT_MS", default_value = "15000", value_parser = parse_millis)]
+    #[arg(long, env = "SSE_HEARTBEAT_MS", default_value = "15000", value_parser = agentloop_shared::config::millis_at_least("SSE_HEARTBEAT_MS", 1000))]
     pub sse_heartbeat: Duration,
 
     /// Live-update transport: auto | sse | long-poll (anything else means auto). With
@@ -58,7 +58,7 @@ pub struct ApiConfig {
     pub events_transport: String,
 
     /// Default long-poll wait in ms when the request gives no `timeoutMs`.
-    #[arg(long, env = "LONG_POLL_TIMEOUT_MS", default_value = "25000", value_parser = parse_millis)]
+    #[arg(long, env = "LONG_POLL_TIMEOUT_MS", default_value = "25000", value_parser = agentloop_shared::config::millis_at_least("LONG_POLL_TIMEOUT_MS", 100))]
     pub long_poll_timeout: Duration,
 
     /// Connections of the command pool (the durable write path); reads use `DB_POOL_SIZE`.
@@ -71,15 +71,15 @@ pub struct ApiConfig {
 
     /// The workers' lease duration in ms (`WORKER_LEASE_MS`, read here only to judge a running
     /// run's liveness for clients: `GET /api/runs/{id}` `liveness`).
-    #[arg(long = "worker-lease-ms", env = "WORKER_LEASE_MS", default_value = "15000", value_parser = parse_millis)]
+    #[arg(long = "worker-lease-ms", env = "WORKER_LEASE_MS", default_value = "15000", value_parser = agentloop_shared::config::millis_at_least("WORKER_LEASE_MS", 500))]
     pub worker_lease: Duration,
 
     /// The workers' lease renewal interval in ms (`WORKER_RENEW_MS`; liveness only, as above).
-    #[arg(long = "worker-renew-ms", env = "WORKER_RENEW_MS", default_value = "5000", value_parser = parse_millis)]
+    #[arg(long = "worker-renew-ms", env = "WORKER_RENEW_MS", default_value = "5000", value_parser = agentloop_shared::config::millis_at_least("WORKER_RENEW_MS", 100))]
     pub worker_renew: Duration,
 
     /// A queued run no worker claimed for longer than this (ms) is reported `unclaimed`.
-    #[arg(long, env = "UNCLAIMED_AFTER_MS", default_value = "10000", value_parser = parse_millis)]
+    #[arg(long, env = "UNCLAIMED_AFTER_MS", default_value = "10000", value_parser = agentloop_shared::config::millis_at_least("UNCLAIMED_AFTER_MS", 100))]
     pub unclaimed_after: Duration,
 
     /// HTTP worker threads (default: number of CPUs).
@@ -94,7 +94,7 @@ pub struct ApiConfig {
     /// Lease in ms of a `POST /v1/chat/completions` request on its hidden thread (renewed every
     /// third of it while the request is open); when this process dies the workers' sweep cancels
     /// and deletes the hidden threads whose lease expired.
-    #[arg(long, env = "OPENAI_REQUEST_LEASE_MS", default_value = "30000", value_parser = parse_millis)]
+    #[arg(long, env = "OPENAI_REQUEST_LEASE_MS", default_value = "30000", value_parser = agentloop_shared::config::millis_at_least("OPENAI_REQUEST_LEASE_MS", 1000))]
     pub openai_request_lease: Duration,
 
     /// Largest `POST /api/threads/import` body in bytes (also the bound of one message).
@@ -166,10 +166,10 @@ pub struct HostileArgs {
     pub max_body_bytes_in_flight: usize,
     /// A request body must arrive within this many ms (408 `body_timeout`; it is also the
     /// longest wait for the body budget, 503 `server_busy`).
-    #[arg(long, env = "API_BODY_TIMEOUT_MS", default_value = "10000", value_parser = parse_millis)]
+    #[arg(long, env = "API_BODY_TIMEOUT_MS", default_value = "10000", value_parser = agentloop_shared::config::millis_at_least("API_BODY_TIMEOUT_MS", 100))]
     pub body_timeout: Duration,
     /// Longest long-poll wait in ms (a larger `timeoutMs` is cut to it).
-    #[arg(long, env = "LONG_POLL_MAX_MS", default_value = "60000", value_parser = parse_millis)]
+    #[arg(long, env = "LONG_POLL_MAX_MS", default_value = "60000", value_parser = agentloop_shared::config::millis_at_least("LONG_POLL_MAX_MS", 100))]
     pub long_poll_max: Duration,
     /// An SSE stream is closed after this many ms (0: never); clients resume with
     /// `Last-Event-ID`. Lets load balancers rebalance long-lived connections.
@@ -177,10 +177,10 @@ pub struct HostileArgs {
     pub sse_max_stream: Duration,
     /// How often open live-update connections are checked for revoked or expired keys and
     /// ended sessions, in ms.
-    #[arg(long, env = "REVOCATION_CHECK_MS", default_value = "2000", value_parser = parse_millis)]
+    #[arg(long, env = "REVOCATION_CHECK_MS", default_value = "2000", value_parser = agentloop_shared::config::millis_at_least("REVOCATION_CHECK_MS", 100))]
     pub revocation_check: Duration,
     /// Browser sessions (`POST /api/session`) last this many ms.
-    #[arg(long, env = "SESSION_TTL_MS", default_value = "604800000", value_parser = parse_millis)]
+    #[arg(long, env = "SESSION_TTL_MS", default_value = "604800000", value_parser = agentloop_shared::config::millis_at_least("SESSION_TTL_MS", 60000))]
     pub session_ttl: Duration,
     /// Bytes of journal events the live-update hub caches in all.
     #[arg(long, env = "HUB_CACHE_BYTES", default_value_t = 16 * 1024 * 1024)]
@@ -313,12 +313,17 @@ impl Application {
         )?;
         db::reap_idle(&pool, config.db.db_pool_idle_timeout);
         store.reap_idle(config.db.db_pool_idle_timeout);
+        // No model at all: an api may serve reads (chat is refused `no_model`). A model
+        // configuration that is there but wrong (a missing MODELS_FILE, a bad MODEL_BASE_URL, an
+        // empty MODEL_NAME) stops the start like the worker's does, instead of an api that
+        // says it is ready and refuses every chat (acceptance probe J, F5).
         let catalog = match config.models.catalog() {
             Ok(catalog) => catalog,
-            Err(error) => {
-                tracing::warn!(%error, "no model configured; chat requests will be refused");
+            Err(agentloop_shared::provider::catalog::CatalogError::NotConfigured) => {
+                tracing::warn!("no model configured (MODELS_FILE or MODEL_BASE_URL); chat requests will be refused no_model");
                 ModelCatalog { models: Vec::new() }
             }
+            Err(error) => return Err(anyhow::anyhow!(error).context("loading the model catalog (MODELS_FILE / MODEL_*)")),
         };
         let loopback_principal = if config.dev_loopback_principal {
             let mut conn = pool.get().await.context("connecting to PostgreSQL")?;
@@ -334,7 +339,7 @@ impl Application {
             thread_bytes: h.hub_thread_cache_bytes,
             event_bytes: h.live_event_max_bytes,
         }));
-        tokio::spawn(hub.clone().sweep(shutdown.clone()));
+        agentloop_shared::tasks::spawn_critical("live-update hub sweep", shutdown.clone(), hub.clone().sweep(shutdown.clone()));
         let limits = Arc::new(limits::Limits::new(limits::LimitSettings {
             rate_per_second: h.rate_per_second,
             rate_burst: h.rate_burst,
@@ -343,7 +348,7 @@ impl Application {
             live_total: h.live_total,
             heavy_reads_per_principal: h.heavy_reads_per_principal,
         }));
-        tokio::spawn(hub.clone().run(config.db.database_url.clone(), shutdown.clone()));
+        agentloop_shared::tasks::spawn_critical("live-update listener", shutdown.clone(), hub.clone().run(config.db.database_url.clone(), shutdown.clone()));
         let state = web::Data::new(AppState {
             pool,
             store,
@@ -380,9 +385,9 @@ impl Application {
             },
         });
         let app_state = state.clone();
-        tokio::spawn(limits::revocation_loop(state.clone(), h.revocation_check, shutdown.clone()));
+        agentloop_shared::tasks::spawn_critical("revocation check", shutdown.clone(), limits::revocation_loop(state.clone(), h.revocation_check, shutdown.clone()));
         let hidden = routes::openai::hidden::HiddenRequests::new(state.store.clone(), state.pool.clone(), state.hub.clone(), config.openai_request_lease);
-        tokio::spawn(hidden.clone().keeper(shutdown.clone()));
+        agentloop_shared::tasks::spawn_critical("/v1 request lease keeper", shutdown.clone(), hidden.clone().keeper(shutdown.clone()));
         let hidden = web::Data::from(hidden);
         let mcp = web::Data::new(mcp::service(state.clone(), config.max_body_bytes));
         let import_limits = web::Data::new(routes::threads::import_thread::ImportLimits {

@@ -11,7 +11,7 @@ pub struct DbArgs {
     pub database_url: String,
 
     /// Maximum pooled connections of this process (the LISTEN connection is extra).
-    #[arg(long, env = "DB_POOL_SIZE", default_value_t = 8)]
+    #[arg(long, env = "DB_POOL_SIZE", default_value_t = 8, value_parser = pool_size)]
     pub db_pool_size: usize,
 
     /// A pooled connection unused this long is closed (ms; 0 keeps them). A connection that
@@ -42,9 +42,47 @@ pub enum LogFormat {
     Json,
 }
 
+/// `DB_POOL_SIZE`: 1 to 10,000 connections (a pool of none answers every request
+/// `database_unavailable` while PostgreSQL is healthy: acceptance probe J).
+fn pool_size(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=10_000).contains(&n) => Ok(n),
+        Ok(_) => Err("DB_POOL_SIZE must be 1 to 10000 connections".into()),
+        Err(e) => Err(format!("DB_POOL_SIZE: expected a number of connections: {e}")),
+    }
+}
+
 /// Parses a duration in milliseconds (clap value parser).
 pub fn parse_millis(s: &str) -> Result<Duration, String> {
     s.parse::<u64>()
         .map(Duration::from_millis)
         .map_err(|e| format!("expected milliseconds: {e}"))
+}
+
+/// A clap value parser of setting `name`, a duration in milliseconds of at least `min` ms: an interval that
+/// drives a timer (`tokio::time::interval` panics on zero, and a heartbeat of 1 ms floods its
+/// clients), refused at start with the setting's name instead (acceptance probe J: 
+/// `WORKER_RENEW_MS=0` started a worker whose lease keeper had died, and its runs were taken over
+/// and their paid answers asked again).
+pub fn millis_at_least(name: &'static str, min: u64) -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync + 'static {
+    move |s: &str| {
+        let ms = s.trim().parse::<u64>().map_err(|e| format!("{name}: expected milliseconds: {e}"))?;
+        if ms < min {
+            return Err(format!("{name} must be at least {min} ms"));
+        }
+        Ok(Duration::from_millis(ms))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn intervals_have_a_floor() {
+        let parse = millis_at_least("SOME_MS", 100);
+        assert_eq!(parse("250"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse("0").unwrap_err(), "SOME_MS must be at least 100 ms");
+        assert!(parse("99").is_err() && parse("x").is_err());
+    }
 }

@@ -23,6 +23,7 @@ pub mod secrets;
 pub mod snapshots;
 pub mod store;
 pub mod streaming;
+pub mod tasks;
 pub mod telemetry;
 pub mod text;
 pub mod threads;

@@ -608,3 +608,44 @@ async fn the_purge_never_waits_for_a_thread_or_run_another_session_holds() {
     assert_eq!((parent, source), (None, None));
     assert!(exists(live[0].0).await && exists(live[1].0).await);
 }
+
+/// Settings a process cannot work with are refused at start, naming the setting — not accepted
+/// into a process whose background task then dies while its health stays green (acceptance
+/// probe J: `WORKER_RENEW_MS=0` started a worker whose lease keeper panicked at once, and its
+/// runs were taken over by other workers, their paid answers asked for again;
+/// `WORKER_STREAM_THROTTLE_MS=0` and `REVOCATION_CHECK_MS=0` killed the stream flusher and the
+/// revocation check; `SSE_HEARTBEAT_MS=0` flooded clients; `DB_POOL_SIZE=0` made an api that
+/// answered `database_unavailable` to everything; a missing `MODELS_FILE` made an api that said
+/// it was ready and refused every chat).
+#[tokio::test]
+async fn settings_a_process_cannot_work_with_are_refused_at_start() {
+    let stack = Stack::start("bad_settings", StackOptions { workers: 0, ..Default::default() }).await.unwrap();
+    let cases = [
+        ("agentloop-worker", "WORKER_RENEW_MS", "0", "WORKER_RENEW_MS must be at least"),
+        ("agentloop-worker", "WORKER_STREAM_THROTTLE_MS", "0", "WORKER_STREAM_THROTTLE_MS must be at least"),
+        ("agentloop-worker", "WORKER_SAFETY_POLL_MS", "0", "WORKER_SAFETY_POLL_MS must be at least"),
+        ("agentloop-worker", "DB_POOL_SIZE", "0", "DB_POOL_SIZE must be 1 to"),
+        ("agentloop-api", "REVOCATION_CHECK_MS", "0", "REVOCATION_CHECK_MS must be at least"),
+        ("agentloop-api", "SSE_HEARTBEAT_MS", "5", "SSE_HEARTBEAT_MS must be at least"),
+        ("agentloop-api", "DB_POOL_SIZE", "0", "DB_POOL_SIZE must be 1 to"),
+        ("agentloop-api", "MODELS_FILE", "/nonexistent/models.json", "model catalog"),
+    ];
+    for (binary, var, value, expected) in cases {
+        let port = free_port();
+        let child = tokio::process::Command::new(agentloop_tests::bin(binary))
+            .arg("run")
+            .env("DATABASE_URL", &stack.db.url)
+            .env("API_LISTEN", format!("127.0.0.1:{port}"))
+            .env("MODEL_BASE_URL", format!("{}/v1", stack.mock.url))
+            .env("MODEL_NAME", "mock")
+            .env("RUST_LOG", "warn")
+            .env(var, value)
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(20), child).await.unwrap_or_else(|_| panic!("{binary} with {var}={value} started"));
+        let out = out.unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stderr), String::from_utf8_lossy(&out.stdout));
+        assert!(!out.status.success(), "{binary} with {var}={value} exited 0");
+        assert!(text.contains(expected), "{binary} with {var}={value}: {text}");
+    }
+}

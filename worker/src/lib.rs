@@ -51,11 +51,11 @@ pub struct WorkerConfig {
     pub yield_check: Duration,
 
     /// Lease duration in ms; a run whose lease is not renewed within it is claimable by others.
-    #[arg(long, env = "WORKER_LEASE_MS", default_value = "15000", value_parser = parse_millis)]
+    #[arg(long, env = "WORKER_LEASE_MS", default_value = "15000", value_parser = agentloop_shared::config::millis_at_least("WORKER_LEASE_MS", 500))]
     pub lease: Duration,
 
     /// Lease renewal interval in ms (must be below half the lease).
-    #[arg(long, env = "WORKER_RENEW_MS", default_value = "5000", value_parser = parse_millis)]
+    #[arg(long, env = "WORKER_RENEW_MS", default_value = "5000", value_parser = agentloop_shared::config::millis_at_least("WORKER_RENEW_MS", 100))]
     pub renew: Duration,
 
     /// Tool calls per slice; reaching it ends the slice and requeues the same run
@@ -86,7 +86,7 @@ pub struct WorkerConfig {
     /// answer (no byte at all, the wait for its headers included, or only keep-alives and
     /// empty deltas) before the call is given up as `model_stream_stalled` (a stream stuck with
     /// its connection open would otherwise hold its slot forever).
-    #[arg(long, env = "MODEL_STREAM_IDLE_MS", default_value = "300000", value_parser = parse_millis)]
+    #[arg(long, env = "MODEL_STREAM_IDLE_MS", default_value = "300000", value_parser = agentloop_shared::config::millis_at_least("MODEL_STREAM_IDLE_MS", 1000))]
     pub model_stream_idle: Duration,
 
     /// How long in ms a slice goes on calling the model again after a call failed transiently
@@ -105,7 +105,7 @@ pub struct WorkerConfig {
     pub model_max_answer_bytes: usize,
 
     /// Idle safety poll in ms (covers a missed notification; no other periodic queue query).
-    #[arg(long, env = "WORKER_SAFETY_POLL_MS", default_value = "60000", value_parser = parse_millis)]
+    #[arg(long, env = "WORKER_SAFETY_POLL_MS", default_value = "60000", value_parser = agentloop_shared::config::millis_at_least("WORKER_SAFETY_POLL_MS", 100))]
     pub safety_poll: Duration,
 
     /// Grace period in ms for in-flight slices to hand their runs back on SIGTERM/SIGINT.
@@ -123,7 +123,7 @@ pub struct WorkerConfig {
 
     /// Interval in ms between flushes of the streaming partial answers (one transaction for all
     /// of the process's streams).
-    #[arg(long, env = "WORKER_STREAM_THROTTLE_MS", default_value = "250", value_parser = parse_millis)]
+    #[arg(long, env = "WORKER_STREAM_THROTTLE_MS", default_value = "250", value_parser = agentloop_shared::config::millis_at_least("WORKER_STREAM_THROTTLE_MS", 10))]
     pub stream_throttle: Duration,
 
     /// Address of the health/metrics endpoint (Prometheus text at any path, e.g.
@@ -133,7 +133,7 @@ pub struct WorkerConfig {
 
     /// Interval in ms between maintenance passes (retention of receipts, journal, steps and
     /// deleted threads, in bounded batches).
-    #[arg(long, env = "MAINTENANCE_INTERVAL_MS", default_value = "600000", value_parser = parse_millis)]
+    #[arg(long, env = "MAINTENANCE_INTERVAL_MS", default_value = "600000", value_parser = agentloop_shared::config::millis_at_least("MAINTENANCE_INTERVAL_MS", 100))]
     pub maintenance_interval: Duration,
 
     /// Hours command receipts are kept (at least 24, SPEC §11).
@@ -164,23 +164,23 @@ pub struct WorkerConfig {
 
     /// Deadline in ms of a tool approval; undecided calls are then rejected with reason
     /// `expired` and the run continues (default 24 h).
-    #[arg(long, env = "APPROVAL_TIMEOUT_MS", default_value = "86400000", value_parser = parse_millis)]
+    #[arg(long, env = "APPROVAL_TIMEOUT_MS", default_value = "86400000", value_parser = agentloop_shared::config::millis_at_least("APPROVAL_TIMEOUT_MS", 1000))]
     pub approval_timeout: Duration,
 
     /// Interval in ms of the sweep of hidden threads whose OpenAI-endpoint request was abandoned
     /// (its api process died): their runs are cancelled and the threads deleted.
-    #[arg(long, env = "HIDDEN_THREAD_SWEEP_MS", default_value = "10000", value_parser = parse_millis)]
+    #[arg(long, env = "HIDDEN_THREAD_SWEEP_MS", default_value = "10000", value_parser = agentloop_shared::config::millis_at_least("HIDDEN_THREAD_SWEEP_MS", 100))]
     pub hidden_thread_sweep: Duration,
 
     /// Interval in ms at which the worker publishes its tool policies and reads the other live
     /// workers' (rows not seen for 4 intervals are of workers gone): each worker applies the
     /// strictest policy of the live fleet for every tool (`worker/src/fleet.rs`).
-    #[arg(long, env = "FLEET_POLICY_REFRESH_MS", default_value = "5000", value_parser = parse_millis)]
+    #[arg(long, env = "FLEET_POLICY_REFRESH_MS", default_value = "5000", value_parser = agentloop_shared::config::millis_at_least("FLEET_POLICY_REFRESH_MS", 100))]
     pub fleet_policy_refresh: Duration,
 
     /// The apis' lease of an OpenAI-endpoint request in ms (set it as on the apis): after a
     /// database outage the sweep spares leases that expired since it began plus this long.
-    #[arg(long, env = "OPENAI_REQUEST_LEASE_MS", default_value = "30000", value_parser = parse_millis)]
+    #[arg(long, env = "OPENAI_REQUEST_LEASE_MS", default_value = "30000", value_parser = agentloop_shared::config::millis_at_least("OPENAI_REQUEST_LEASE_MS", 1000))]
     pub openai_request_lease: Duration,
 
     #[command(flatten)]
@@ -205,16 +205,16 @@ pub struct WorkerConfig {
 
     /// Delay in ms before the first retry of a webhook delivery; doubled after each failed
     /// attempt (with jitter: a random point in the upper half), up to `WEBHOOK_RETRY_MAX_MS`.
-    #[arg(long, env = "WEBHOOK_RETRY_BASE_MS", default_value = "10000", value_parser = parse_millis)]
+    #[arg(long, env = "WEBHOOK_RETRY_BASE_MS", default_value = "10000", value_parser = agentloop_shared::config::millis_at_least("WEBHOOK_RETRY_BASE_MS", 10))]
     pub webhook_retry_base: Duration,
 
     /// Longest delay in ms between two attempts of a webhook delivery.
-    #[arg(long, env = "WEBHOOK_RETRY_MAX_MS", default_value = "3600000", value_parser = parse_millis)]
+    #[arg(long, env = "WEBHOOK_RETRY_MAX_MS", default_value = "3600000", value_parser = agentloop_shared::config::millis_at_least("WEBHOOK_RETRY_MAX_MS", 10))]
     pub webhook_retry_max: Duration,
 
     /// Bound in ms of one webhook attempt (connect, send, answer); a delivery is leased for this
     /// plus 5 s, after which another worker sends it again.
-    #[arg(long, env = "WEBHOOK_TIMEOUT_MS", default_value = "10000", value_parser = parse_millis)]
+    #[arg(long, env = "WEBHOOK_TIMEOUT_MS", default_value = "10000", value_parser = agentloop_shared::config::millis_at_least("WEBHOOK_TIMEOUT_MS", 100))]
     pub webhook_timeout: Duration,
 
     /// Hours a delivered or failed webhook delivery (and its attempts) is kept.

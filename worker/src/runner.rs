@@ -20,6 +20,7 @@ use agentloop_shared::scheduler::listener::{self, ListenerEvent};
 use agentloop_shared::scheduler::{self, step};
 use agentloop_shared::store::group::GroupSpec;
 use agentloop_shared::store::{PoolSettings, Store, Timing};
+use agentloop_shared::tasks::spawn_critical as critical;
 use agentloop_shared::tools::{BuiltinToolConfig, ToolRegistry, ToolsConfig};
 use anyhow::Context;
 use tokio::task::JoinSet;
@@ -115,7 +116,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         &PoolSettings { max_size: 1, ..settings.clone() },
         Timing { call_timeout: timing.call_timeout, retry_for: config.stream_throttle },
     )?;
-    let _flusher = AbortOnDropHandle::new(tokio::spawn(streams.clone().run(stream_store, worker_id.clone(), config.stream_throttle, stop.clone())));
+    let _flusher = AbortOnDropHandle::new(critical("stream flusher", stop.clone(), streams.clone().run(stream_store, worker_id.clone(), config.stream_throttle, stop.clone())));
     let slots_pressure = Arc::new(crate::slot_yield::SlotPressure::new(
         (!config.yield_check.is_zero()).then_some(config.yield_check),
         catalog.models.iter().map(|m| m.id.clone()).collect(),
@@ -151,11 +152,11 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         Ok(others) => tracing::info!(others, "tool policy published"),
         Err(error) => tracing::warn!(%error, "could not publish the tool policy; retried every FLEET_POLICY_REFRESH_MS"),
     }
-    tokio::spawn(crate::fleet::run(store.clone(), worker_id.clone(), env.tools.clone(), config.fleet_policy_refresh, stop.clone()));
+    critical("fleet tool policy", stop.clone(), crate::fleet::run(store.clone(), worker_id.clone(), env.tools.clone(), config.fleet_policy_refresh, stop.clone()));
 
     let in_flight: InFlight = Arc::default();
     let outages = control::Outages::default();
-    let _keeper = AbortOnDropHandle::new(tokio::spawn(control::keeper(
+    let _keeper = AbortOnDropHandle::new(critical("lease keeper", stop.clone(), control::keeper(
         keeper_store,
         worker_id.clone(),
         config.lease,
@@ -164,7 +165,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         outages.clone(),
         stop.clone(),
     )));
-    tokio::spawn(crate::maintenance::run(
+    critical("maintenance", stop.clone(), crate::maintenance::run(
         maintenance_pool.clone(),
         crate::maintenance::Retention {
             interval: config.maintenance_interval,
@@ -178,7 +179,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     if config.metrics_listen.is_some() {
         tokio::spawn(crate::maintenance::sample(maintenance_pool.clone(), stop.clone()));
     }
-    tokio::spawn(crate::hidden_threads::run(
+    critical("hidden-thread sweep", stop.clone(), crate::hidden_threads::run(
         store.clone(),
         config.hidden_thread_sweep,
         config.openai_request_lease,
