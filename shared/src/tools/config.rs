@@ -311,9 +311,22 @@ impl ToolsConfig {
                 return Err(ToolsConfigError::Invalid(format!("MCP server `{}`: timeouts and maxResponseBytes must be positive", server.name)));
             }
         }
+        let web = |url: &str| reqwest::Url::parse(url).is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.has_host());
+        for server in &self.mcp_servers {
+            if let Some(url) = server.url.as_deref().filter(|u| !web(u)) {
+                return Err(ToolsConfigError::Invalid(format!("MCP server `{}`: url `{url}` is not an http(s) URL", server.name)));
+            }
+        }
+        let mut tool_names = std::collections::HashSet::new();
         for tool in &self.http_tools {
             if !valid(&tool.name) {
                 return Err(ToolsConfigError::Invalid(format!("HTTP tool name `{}` must match ^[a-zA-Z0-9_-]{{1,64}}$", tool.name)));
+            }
+            if !tool_names.insert(tool.name.as_str()) {
+                return Err(ToolsConfigError::Invalid(format!("HTTP tool `{}` is configured twice", tool.name)));
+            }
+            if !web(&tool.url) {
+                return Err(ToolsConfigError::Invalid(format!("HTTP tool `{}`: url `{}` is not an http(s) URL", tool.name, tool.url)));
             }
             let limits = [tool.timeout_ms, tool.connect_timeout_ms, tool.read_timeout_ms, tool.max_response_bytes.map(|b| b as u64)];
             if limits.contains(&Some(0)) {
@@ -360,10 +373,17 @@ mod tests {
         assert_eq!(config.http_tools[0].max_response_bytes, Some(4));
         let always = serde_json::json!({"httpTools": [{"name": "pay", "url": "u", "redirects": "always"}]});
         assert!(serde_json::from_value::<ToolsConfig>(always).is_err(), "there is no follow-anything setting");
-        let zero: ToolsConfig = serde_json::from_value(serde_json::json!({"httpTools": [{"name": "pay", "url": "u", "readTimeoutMs": 0}]})).unwrap();
+        for url in ["ftp://h/pay", "u", "file:///etc/passwd"] {
+            let bad: ToolsConfig = serde_json::from_value(serde_json::json!({"httpTools": [{"name": "pay", "url": url}]})).unwrap();
+            assert!(bad.validate().unwrap_err().to_string().contains("not an http(s) URL"), "{url}");
+        }
+        let twice: ToolsConfig =
+            serde_json::from_value(serde_json::json!({"httpTools": [{"name": "pay", "url": "http://h/a"}, {"name": "pay", "url": "http://h/b"}]})).unwrap();
+        assert!(twice.validate().is_err());
+        let zero: ToolsConfig = serde_json::from_value(serde_json::json!({"httpTools": [{"name": "pay", "url": "http://h/pay", "readTimeoutMs": 0}]})).unwrap();
         assert!(zero.validate().is_err());
         let zero: ToolsConfig =
-            serde_json::from_value(serde_json::json!({"mcpServers": [{"name": "x", "transport": "http", "url": "u", "maxResponseBytes": 0}]})).unwrap();
+            serde_json::from_value(serde_json::json!({"mcpServers": [{"name": "x", "transport": "http", "url": "http://h/mcp", "maxResponseBytes": 0}]})).unwrap();
         assert!(zero.validate().is_err());
     }
 }

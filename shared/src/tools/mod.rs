@@ -145,6 +145,8 @@ pub struct ToolRegistry {
     tools: Vec<Arc<dyn Tool>>,
     max_result_bytes: usize,
     settings: HashMap<String, config::ToolSettings>,
+    /// HTTP tools of the tools file that replaced a registered tool of the same name.
+    shadowed: Vec<String>,
     default_policy: Policy,
     mcp: Vec<Arc<mcp::McpServer>>,
     /// What the other live workers of the fleet configure ([`ToolRegistry::set_fleet`]).
@@ -228,6 +230,7 @@ impl ToolRegistry {
             tools: Vec::new(),
             max_result_bytes,
             settings: HashMap::new(),
+            shadowed: Vec::new(),
             default_policy: Policy::Auto,
             mcp: Vec::new(),
             fleet: Arc::default(),
@@ -240,6 +243,9 @@ impl ToolRegistry {
         self.settings = config.tools.clone();
         self.default_policy = config.default_policy.unwrap_or_default();
         for tool in &config.http_tools {
+            if self.tools.iter().any(|t| t.name() == tool.name) {
+                self.shadowed.push(tool.name.clone());
+            }
             self.register(Arc::new(http::HttpTool::new(tool.clone())));
         }
         self.mcp = config.mcp_servers.iter().cloned().map(mcp::McpServer::new).collect();
@@ -330,6 +336,35 @@ impl ToolRegistry {
             Some(slot) => *slot = tool,
             None => self.tools.push(tool),
         }
+    }
+
+    /// What is wrong with the tools file against the tools this worker has (call once every
+    /// tool is registered; the worker refuses to start on any): an entry of `tools` that names
+    /// no tool — neither a registered one nor one in a configured MCP server's `<server>__`
+    /// namespace — so its policy would apply to nothing (acceptance probe J, F7: a misspelt
+    /// `deny` kill switch did nothing); an HTTP tool with the name of a built-in one, which it
+    /// silently replaced.
+    pub fn config_problems(&self) -> Vec<String> {
+        let mut problems: Vec<String> =
+            self.shadowed.iter().map(|n| format!("the HTTP tool `{n}` has the name of a built-in tool; rename it")).collect();
+        let mut unknown: Vec<&String> = self
+            .settings
+            .keys()
+            .filter(|name| !self.tools.iter().any(|t| t.name() == name.as_str()) && !self.mcp.iter().any(|m| m.owns(name)))
+            .collect();
+        unknown.sort();
+        if !unknown.is_empty() {
+            let mut known: Vec<&str> = self.tools.iter().map(|t| t.name()).collect();
+            known.sort_unstable();
+            let servers: Vec<String> = self.mcp.iter().map(|m| format!("{}__*", m.name())).collect();
+            problems.push(format!(
+                "`tools` names tools that do not exist: {} (tools: {}{})",
+                unknown.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "),
+                known.join(", "),
+                if servers.is_empty() { String::new() } else { format!(", {}", servers.join(", ")) }
+            ));
+        }
+        problems
     }
 
     /// Every tool currently offered: registered ones, then each connected MCP server's.
@@ -569,6 +604,26 @@ mod tests {
 
     /// The strictest policy of the live fleet applies, tool by tool, through each level of a
     /// configuration (tool entry, MCP server, default), and "not idempotent" anywhere wins.
+    #[test]
+    fn a_tools_file_naming_no_tool_or_shadowing_a_builtin_is_a_problem() {
+        let config: ToolsConfig = serde_json::from_value(serde_json::json!({
+            "tools": {"calculater": {"policy": "deny"}, "calculator": {"policy": "ask"}, "files__rm": {"policy": "deny"}, "other__x": {"policy": "deny"}},
+            "httpTools": [{"name": "sleep", "url": "http://h/sleep"}],
+            "mcpServers": [{"name": "files", "transport": "stdio", "command": "x"}]
+        }))
+        .unwrap();
+        let mut registry = ToolRegistry::builtin(&BuiltinToolConfig::default());
+        registry.configure(&config);
+        let problems = registry.config_problems().join("\n");
+        assert!(problems.contains("`sleep` has the name of a built-in tool"), "{problems}");
+        assert!(problems.contains("`calculater`, `other__x`"), "{problems}");
+        assert!(!problems.contains("`calculator`") && !problems.contains("files__rm"), "{problems}");
+        let fine: ToolsConfig = serde_json::from_value(serde_json::json!({"tools": {"calculator": {"policy": "ask"}}})).unwrap();
+        let mut registry = ToolRegistry::builtin(&BuiltinToolConfig::default());
+        registry.configure(&fine);
+        assert!(registry.config_problems().is_empty());
+    }
+
     #[test]
     fn the_strictest_policy_of_the_fleet_applies() {
         let config: ToolsConfig = serde_json::from_value(serde_json::json!({
