@@ -32,7 +32,8 @@ struct ReadOnly {
     read_only: String,
 }
 
-/// `GET /readyz`: PostgreSQL answers a query within 2 s (503 `database_unavailable` otherwise)
+/// `GET /readyz`: PostgreSQL answers a query within 2 s, and the command pool has or can open a
+/// connection (503 `database_unavailable` otherwise)
 /// and accepts writes (503 `database_read_only` from a hot standby or under
 /// `default_transaction_read_only`: reads would answer, but no turn could be accepted and no
 /// run could move); 503 `draining` from SIGTERM on, while the process still serves, so load
@@ -45,6 +46,10 @@ pub async fn readyz(state: web::Data<AppState>) -> Result<HttpResponse, ApiError
     }
     let unavailable = |why: String| ApiError::database_unavailable(&why);
     let probe = async {
+        // The command connections too (the writes' pool, its own connections): with the
+        // server's connections used up by another client, reads answered from an open pooled
+        // connection while every write failed `too many clients` (acceptance probe J, F8).
+        drop(state.store.conn().await.map_err(|e| unavailable(format!("command connection: {e}")))?);
         let mut conn = state.pool.get().await?;
         diesel::sql_query("SELECT current_setting('transaction_read_only') AS read_only")
             .get_result::<ReadOnly>(&mut conn)
