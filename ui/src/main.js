@@ -1471,11 +1471,14 @@ async function reload(V, sequence) {
   } catch (e) { if (V.alive) showError(e); }
 }
 
-function setTransport(text, mode) {
+/** The live-updates chip: `● live` only while updates flow; `○ reconnecting…` otherwise (it
+ *  said live through reconnects and a 40 s frozen connection: acceptance probe K, K-6). */
+function setTransport(text, mode, healthy = true) {
   const el = $('#transport');
-  el.textContent = text ? (mode ? '● live' : text) : '';
+  el.textContent = text ? (mode ? (healthy ? '● live' : '○ reconnecting…') : text) : '';
   el.title = text ? 'Live updates: ' + text : '';
   el.dataset.transport = mode || '';
+  el.dataset.healthy = healthy ? 'true' : 'false';
 }
 
 function connect(V) {
@@ -1495,9 +1498,13 @@ function sse(V) {
     poll(V);
   };
   V.timers.push(setTimeout(() => { if (!connected) fallback('no connected event within 5 s'); }, 5000));
-  V.timers.push(setInterval(() => { if (Date.now() - last > 3 * HEARTBEAT_MS) fallback('silent for 45 s'); }, 5000));
+  V.timers.push(setInterval(() => {
+    const silent = Date.now() - last;
+    if (silent > 3 * HEARTBEAT_MS) fallback('silent for 45 s');
+    else if (connected && silent > 2 * HEARTBEAT_MS) setTransport('SSE (no heartbeat for 30 s)', 'sse', false);
+  }, 5000));
   es.addEventListener('connected', () => { connected = true; errors = 0; last = Date.now(); setTransport('SSE', 'sse'); });
-  es.addEventListener('heartbeat', () => { last = Date.now(); });
+  es.addEventListener('heartbeat', () => { last = Date.now(); setTransport('SSE', 'sse'); });
   for (const kind of ['thread', 'message', 'run', 'streaming', 'messages_deactivated', 'branch_switched', 'compaction', 'approval', 'thread_deleted', 'reset']) {
     es.addEventListener(kind, e => {
       last = Date.now();
@@ -1511,7 +1518,7 @@ function sse(V) {
     if (!V.alive) return;
     errors += 1;
     if (es.readyState === EventSource.CLOSED || errors >= 3) fallback(errors >= 3 ? '3 consecutive errors' : 'stream closed');
-    else setTransport('SSE (reconnecting…)', 'sse');
+    else setTransport('SSE (reconnecting…)', 'sse', false);
   };
 }
 
@@ -1530,7 +1537,7 @@ async function poll(V) {
     } catch (e) {
       if (!V.alive || e.status === 401) return;
       fails += 1;
-      setTransport('long-poll (retrying: ' + (e.code || e.message) + ')', 'long-poll');
+      setTransport('long-poll (retrying: ' + (e.code || e.message) + ')', 'long-poll', false);
       await sleep(Math.min(1000 * 2 ** fails, 15000));
     }
   }
