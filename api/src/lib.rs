@@ -289,6 +289,7 @@ impl Application {
     /// Connects, optionally migrates, resolves the loopback principal, starts the listener and
     /// binds `config.listen` (port 0 in tests).
     pub async fn build(config: ApiConfig) -> anyhow::Result<Self> {
+        db::check_url(&config.db.database_url).await?;
         if config.db.migrate_on_start {
             db::run_migrations(&config.db.database_url).await.context("migrating")?;
         }

@@ -630,6 +630,12 @@ async fn settings_a_process_cannot_work_with_are_refused_at_start() {
         ("agentloop-api", "DB_POOL_SIZE", "0", "DB_POOL_SIZE must be 1 to"),
         ("agentloop-api", "MODELS_FILE", "/nonexistent/models.json", "model catalog"),
     ];
+    let no_database = stack.db.url.rsplit_once('/').map(|(server, _)| format!("{server}/no_such_database_here")).unwrap();
+    let cases = cases.into_iter().map(|(b, v, x, e)| (b, v, x.to_owned(), e)).chain([
+        // A URL that can never work is not waited for as an outage (probe J, F10).
+        ("agentloop-worker", "DATABASE_URL", no_database.clone(), "3D000"),
+        ("agentloop-api", "DATABASE_URL", no_database, "3D000"),
+    ]);
     for (binary, var, value, expected) in cases {
         let port = free_port();
         let child = tokio::process::Command::new(agentloop_tests::bin(binary))
@@ -639,7 +645,7 @@ async fn settings_a_process_cannot_work_with_are_refused_at_start() {
             .env("MODEL_BASE_URL", format!("{}/v1", stack.mock.url))
             .env("MODEL_NAME", "mock")
             .env("RUST_LOG", "warn")
-            .env(var, value)
+            .env(var, &value)
             .kill_on_drop(true)
             .output();
         let out = tokio::time::timeout(Duration::from_secs(20), child).await.unwrap_or_else(|_| panic!("{binary} with {var}={value} started"));

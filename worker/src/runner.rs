@@ -45,6 +45,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     if let Some(addr) = config.metrics_listen {
         agentloop_shared::telemetry::metrics::serve(addr).context("serving metrics")?;
     }
+    db::check_url(&config.db.database_url).await?;
     if config.db.migrate_on_start {
         db::run_migrations(&config.db.database_url).await.context("migrating")?;
     }

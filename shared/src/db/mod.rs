@@ -341,3 +341,33 @@ async fn migrate(database_url: &str, limit: usize) -> Result<Vec<String>, DbErro
         .await?;
     result.map(|()| applied)
 }
+
+/// Connects once at start-up to tell a `DATABASE_URL` that can never work from a database that
+/// is away for now: a refusal PostgreSQL gives for the URL itself — the database does not exist
+/// (`3D000`), the role or its password is refused (`28000`, `28P01`), the URL cannot be parsed
+/// — is an error (the process exits naming it: acceptance probe J, F10, such a URL was retried
+/// forever as an outage); anything else (refused or lost connections, a starting or
+/// overloaded server, a timeout after 10 s) is logged and left to the retries of the pools.
+pub async fn check_url(database_url: &str) -> anyhow::Result<()> {
+    let config: tokio_postgres::Config = database_url.parse().map_err(|e| anyhow::anyhow!("DATABASE_URL cannot be parsed: {e}"))?;
+    match tokio::time::timeout(Duration::from_secs(10), config.connect(tokio_postgres::NoTls)).await {
+        Ok(Ok((client, connection))) => {
+            drop(client);
+            drop(connection);
+            Ok(())
+        }
+        Ok(Err(error)) => match error.code().map(|c| c.code()) {
+            Some(code @ ("3D000" | "28000" | "28P01")) => {
+                Err(anyhow::anyhow!("DATABASE_URL is refused by PostgreSQL ({code}): {}", error.as_db_error().map_or_else(|| error.to_string(), |e| e.message().to_owned())))
+            }
+            _ => {
+                tracing::warn!(%error, "PostgreSQL is not reachable yet; waiting for it");
+                Ok(())
+            }
+        },
+        Err(_) => {
+            tracing::warn!("PostgreSQL did not answer within 10 s; waiting for it");
+            Ok(())
+        }
+    }
+}
