@@ -66,7 +66,7 @@ pub struct ApiConfig {
     pub db_command_pool_size: usize,
 
     /// Maximum JSON request body in bytes.
-    #[arg(long, env = "API_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
+    #[arg(long, env = "API_MAX_BODY_BYTES", default_value_t = 1024 * 1024, value_parser = agentloop_shared::config::count_at_least("API_MAX_BODY_BYTES", 1024))]
     pub max_body_bytes: usize,
 
     /// The workers' lease duration in ms (`WORKER_LEASE_MS`, read here only to judge a running
@@ -98,11 +98,11 @@ pub struct ApiConfig {
     pub openai_request_lease: Duration,
 
     /// Largest `POST /api/threads/import` body in bytes (also the bound of one message).
-    #[arg(long, env = "IMPORT_MAX_BYTES", default_value_t = 16 * 1024 * 1024)]
+    #[arg(long, env = "IMPORT_MAX_BYTES", default_value_t = 16 * 1024 * 1024, value_parser = agentloop_shared::config::count_at_least("IMPORT_MAX_BYTES", 1024))]
     pub import_max_bytes: usize,
 
     /// Most messages one import may hold.
-    #[arg(long, env = "IMPORT_MAX_MESSAGES", default_value_t = 10_000)]
+    #[arg(long, env = "IMPORT_MAX_MESSAGES", default_value_t = 10_000, value_parser = agentloop_shared::config::count_at_least("IMPORT_MAX_MESSAGES", 1))]
     pub import_max_messages: usize,
     #[command(flatten)]
     pub hostile: HostileArgs,
@@ -124,10 +124,10 @@ pub struct ApiConfig {
 #[derive(Debug, Clone, clap::Args)]
 pub struct HostileArgs {
     /// Sustained requests per second per principal (per api process); 429 `rate_limited` above.
-    #[arg(long, env = "API_RATE_PER_SECOND", default_value_t = 20)]
+    #[arg(long, env = "API_RATE_PER_SECOND", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
     pub rate_per_second: u32,
     /// Requests a principal may send at once above the sustained rate (per api process).
-    #[arg(long, env = "API_RATE_BURST", default_value_t = 100)]
+    #[arg(long, env = "API_RATE_BURST", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
     pub rate_burst: u32,
     /// Failed authentications per minute per source address (IPv6: per /64) before it gets 429
     /// `too_many_failed_auth` (per api process).
@@ -138,31 +138,31 @@ pub struct HostileArgs {
     #[arg(long, env = "TRUSTED_PROXY_HOPS", default_value_t = 0)]
     pub trusted_proxy_hops: usize,
     /// Open SSE/long-poll connections per principal (per api process).
-    #[arg(long, env = "LIVE_MAX_PER_PRINCIPAL", default_value_t = 32)]
+    #[arg(long, env = "LIVE_MAX_PER_PRINCIPAL", default_value_t = 32, value_parser = agentloop_shared::config::count_at_least("LIVE_MAX_PER_PRINCIPAL", 1))]
     pub live_per_principal: usize,
     /// Searches and exports of one principal running at once (per api process); the next
     /// waits up to 10 s, then 429 `too_many_heavy_reads`.
-    #[arg(long, env = "HEAVY_READS_PER_PRINCIPAL", default_value_t = 2)]
+    #[arg(long, env = "HEAVY_READS_PER_PRINCIPAL", default_value_t = 2, value_parser = agentloop_shared::config::count_at_least("HEAVY_READS_PER_PRINCIPAL", 1))]
     pub heavy_reads_per_principal: usize,
     /// Open SSE/long-poll connections of this api process in all.
-    #[arg(long, env = "LIVE_MAX_CONNECTIONS", default_value_t = 10_000)]
+    #[arg(long, env = "LIVE_MAX_CONNECTIONS", default_value_t = 10_000, value_parser = agentloop_shared::config::count_at_least("LIVE_MAX_CONNECTIONS", 1))]
     pub live_total: usize,
     /// Runs in queued|running|waiting_approval|blocked per principal (global, counted in
     /// PostgreSQL); 429 `too_many_active_runs` above.
-    #[arg(long, env = "MAX_ACTIVE_RUNS_PER_PRINCIPAL", default_value_t = 16)]
+    #[arg(long, env = "MAX_ACTIVE_RUNS_PER_PRINCIPAL", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_active_runs: u32,
     /// Pending turns (waiting behind an active run) per principal (global); 429
     /// `too_many_queued_turns` above.
-    #[arg(long, env = "MAX_QUEUED_TURNS_PER_PRINCIPAL", default_value_t = 64)]
+    #[arg(long, env = "MAX_QUEUED_TURNS_PER_PRINCIPAL", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_queued_turns: u32,
     /// Threads (not deleted) per principal (global); 429 `too_many_threads` above.
-    #[arg(long, env = "MAX_THREADS_PER_PRINCIPAL", default_value_t = 10_000)]
+    #[arg(long, env = "MAX_THREADS_PER_PRINCIPAL", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_threads: u32,
     /// Bytes of request bodies this api process holds at once (see `budget.rs`): a request
     /// with a body takes its `Content-Length` of it (a chunked one its whole body limit) until
     /// its route has answered; beyond it requests wait, at most `API_BODY_TIMEOUT_MS`, then get
     /// 503 `server_busy`.
-    #[arg(long, env = "MAX_BODY_BYTES_IN_FLIGHT", default_value_t = 32 * 1024 * 1024)]
+    #[arg(long, env = "MAX_BODY_BYTES_IN_FLIGHT", default_value_t = 32 * 1024 * 1024, value_parser = agentloop_shared::config::count_at_least("MAX_BODY_BYTES_IN_FLIGHT", 1024))]
     pub max_body_bytes_in_flight: usize,
     /// A request body must arrive within this many ms (408 `body_timeout`; it is also the
     /// longest wait for the body budget, 503 `server_busy`).

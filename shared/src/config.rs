@@ -74,6 +74,19 @@ pub fn millis_at_least(name: &'static str, min: u64) -> impl Fn(&str) -> Result<
     }
 }
 
+/// A clap value parser of setting `name`, a count (or a size in bytes) of at least `min`
+/// (acceptance probe J, F6: a zero that made every chat, body or live connection refused, or
+/// that read as "unlimited", was accepted without a word).
+pub fn count_at_least(name: &'static str, min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
+    move |s: &str| {
+        let n = s.trim().parse::<usize>().map_err(|e| format!("{name}: expected a whole number: {e}"))?;
+        if n < min {
+            return Err(format!("{name} must be at least {min}"));
+        }
+        Ok(n)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

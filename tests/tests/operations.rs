@@ -629,6 +629,9 @@ async fn settings_a_process_cannot_work_with_are_refused_at_start() {
         ("agentloop-api", "SSE_HEARTBEAT_MS", "5", "SSE_HEARTBEAT_MS must be at least"),
         ("agentloop-api", "DB_POOL_SIZE", "0", "DB_POOL_SIZE must be 1 to"),
         ("agentloop-api", "MODELS_FILE", "/nonexistent/models.json", "model catalog"),
+        ("agentloop-api", "LIVE_MAX_CONNECTIONS", "0", "LIVE_MAX_CONNECTIONS must be at least 1"),
+        ("agentloop-api", "MAX_ACTIVE_RUNS_PER_PRINCIPAL", "0", "0 is not in 1.."),
+        ("agentloop-worker", "RECEIPT_RETENTION_HOURS", "1", "1 is not in 24.."),
     ];
     let no_database = stack.db.url.rsplit_once('/').map(|(server, _)| format!("{server}/no_such_database_here")).unwrap();
     let cases = cases.into_iter().map(|(b, v, x, e)| (b, v, x.to_owned(), e)).chain([

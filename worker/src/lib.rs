@@ -101,7 +101,7 @@ pub struct WorkerConfig {
     /// Largest model answer in bytes (text + reasoning + tool calls) a slice assembles; a
     /// longer one is cut and the run fails `model_answer_too_large`. Bounds a slice's memory.
     #[arg(long, env = "MODEL_MAX_ANSWER_BYTES", default_value_t = agentloop_shared::provider::client::DEFAULT_MAX_ANSWER_BYTES,
-          value_parser = clap::value_parser!(usize))]
+          value_parser = agentloop_shared::config::count_at_least("MODEL_MAX_ANSWER_BYTES", 1024))]
     pub model_max_answer_bytes: usize,
 
     /// Idle safety poll in ms (covers a missed notification; no other periodic queue query).
@@ -137,11 +137,11 @@ pub struct WorkerConfig {
     pub maintenance_interval: Duration,
 
     /// Hours command receipts are kept (at least 24, SPEC §11).
-    #[arg(long, env = "RECEIPT_RETENTION_HOURS", default_value_t = 24)]
+    #[arg(long, env = "RECEIPT_RETENTION_HOURS", default_value_t = 24, value_parser = clap::value_parser!(i64).range(24..))]
     pub receipt_retention_hours: i64,
 
     /// Journal events kept per thread; a resume below them gets a `reset` (SPEC §10).
-    #[arg(long, env = "JOURNAL_RETENTION_EVENTS", default_value_t = 2000)]
+    #[arg(long, env = "JOURNAL_RETENTION_EVENTS", default_value_t = 2000, value_parser = clap::value_parser!(i64).range(1..))]
     pub journal_retention_events: i64,
 
     /// Hours the step rows (`run_steps`) of a run that ended are kept; the run row, its usage

@@ -289,7 +289,7 @@ pub struct ModelArgs {
     pub model_name: String,
 
     /// Context window of the single model, in tokens.
-    #[arg(long, env = "MODEL_CONTEXT_TOKENS")]
+    #[arg(long, env = "MODEL_CONTEXT_TOKENS", value_parser = clap::value_parser!(u32).range(256..))]
     pub model_context_tokens: Option<u32>,
 
     /// Whether the single model accepts tools (`GET /api/models` `supportsTools`; without it no
