@@ -62,7 +62,7 @@ pub struct ApiConfig {
     pub long_poll_timeout: Duration,
 
     /// Connections of the command pool (the durable write path); reads use `DB_POOL_SIZE`.
-    #[arg(long, env = "DB_COMMAND_POOL_SIZE", default_value_t = 4)]
+    #[arg(long, env = "DB_COMMAND_POOL_SIZE", default_value_t = 4, value_parser = agentloop_shared::config::pool_size)]
     pub db_command_pool_size: usize,
 
     /// Maximum JSON request body in bytes.

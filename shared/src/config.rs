@@ -42,22 +42,28 @@ pub enum LogFormat {
     Json,
 }
 
-/// `DB_POOL_SIZE`: 1 to 10,000 connections (a pool of none answers every request
-/// `database_unavailable` while PostgreSQL is healthy: acceptance probe J).
-fn pool_size(s: &str) -> Result<usize, String> {
+/// A pool size (`DB_POOL_SIZE`, `DB_COMMAND_POOL_SIZE`): 1 to 10,000 connections (a pool of
+/// none answers every request `database_unavailable` while PostgreSQL is healthy: acceptance
+/// probe J; a huge one panicked: verification probe L).
+pub fn pool_size(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if (1..=10_000).contains(&n) => Ok(n),
-        Ok(_) => Err("DB_POOL_SIZE must be 1 to 10000 connections".into()),
-        Err(e) => Err(format!("DB_POOL_SIZE: expected a number of connections: {e}")),
+        Ok(_) => Err("a pool size (DB_POOL_SIZE, DB_COMMAND_POOL_SIZE) must be 1 to 10000 connections".into()),
+        Err(e) => Err(format!("a pool size (DB_POOL_SIZE, DB_COMMAND_POOL_SIZE): expected a number of connections: {e}")),
     }
 }
 
-/// Parses a duration in milliseconds (clap value parser).
+/// Parses a duration in milliseconds, 0 to [`MAX_MILLIS`] (clap value parser).
 pub fn parse_millis(s: &str) -> Result<Duration, String> {
-    s.parse::<u64>()
-        .map(Duration::from_millis)
-        .map_err(|e| format!("expected milliseconds: {e}"))
+    let ms = s.trim().parse::<u64>().map_err(|e| format!("expected milliseconds: {e}"))?;
+    if ms > MAX_MILLIS {
+        return Err(format!("must be at most {MAX_MILLIS} ms (366 days)"));
+    }
+    Ok(Duration::from_millis(ms))
 }
+
+/// The largest duration setting: 366 days in ms.
+pub const MAX_MILLIS: u64 = 366 * 24 * 3600 * 1000;
 
 /// A clap value parser of setting `name`, a duration in milliseconds of at least `min` ms: an interval that
 /// drives a timer (`tokio::time::interval` panics on zero, and a heartbeat of 1 ms floods its
@@ -69,6 +75,12 @@ pub fn millis_at_least(name: &'static str, min: u64) -> impl Fn(&str) -> Result<
         let ms = s.trim().parse::<u64>().map_err(|e| format!("{name}: expected milliseconds: {e}"))?;
         if ms < min {
             return Err(format!("{name} must be at least {min} ms"));
+        }
+        // A bound far above any sensible setting that every interval, lease and timeout can be
+        // added to a timestamp with (verification probe L, L-6: i64::MAX ms made every claim
+        // fail and every /v1 request answer 500).
+        if ms > MAX_MILLIS {
+            return Err(format!("{name} must be at most {MAX_MILLIS} ms (366 days)"));
         }
         Ok(Duration::from_millis(ms))
     }

@@ -228,17 +228,24 @@ export const tests = [
         chats += 1;
         if (chats === 1) { await route.fetch(); await route.abort('connectionreset'); } else await route.continue();
       });
-      await send(page, 'only once please');
+      // Its run is still answering when the user sends again: the same turn, not a queued one
+      // (verification probe L, L-7: the busy choice sent it again under a new key).
+      const once = 'only once please ' + mock([{ text: 'slow once', delayMs: 4000 }]);
+      await send(page, once);
       await page.locator(sel('error')).waitFor();
-      assert((await page.inputValue(sel('composer'))) === 'only once please', 'the text is kept to send again');
-      await sleep(1500);
+      assert((await page.inputValue(sel('composer'))) === once, 'the text is kept to send again');
+      await sleep(1000);
       await page.click(sel('send'));
-      await bubbles(page, 'assistant').filter({ hasText: 'only once please' }).first().waitFor();
+      await sleep(300);
+      assert(!(await page.locator(sel('busy-choice')).isVisible()), 'no queue / interrupt choice for a resend');
+      await bubbles(page, 'assistant').filter({ hasText: 'slow once' }).first().waitFor();
       await page.unroute('**/chat');
       assert(chats === 2, `two requests: ${chats}`);
+      await sleep(1500);
       w = await apiJson(page, 'GET', '/api/threads/' + thread);
-      const sent = w.body.messages.filter(m => m.role === 'user' && m.content === 'only once please').length;
-      assert(sent === 1, `the resend was taken as the same turn: ${sent} turns`);
+      const sent = w.body.messages.filter(m => m.role === 'user' && m.content === once).length;
+      const answers = w.body.messages.filter(m => m.role === 'assistant' && m.content === 'slow once').length;
+      assert(sent === 1 && answers === 1, `the resend was taken as the same turn: ${sent} turns, ${answers} answers`);
       await shot(page, 'ui-01b-hostile');
     },
   },

@@ -624,14 +624,17 @@ async fn settings_a_process_cannot_work_with_are_refused_at_start() {
         ("agentloop-worker", "WORKER_RENEW_MS", "0", "WORKER_RENEW_MS must be at least"),
         ("agentloop-worker", "WORKER_STREAM_THROTTLE_MS", "0", "WORKER_STREAM_THROTTLE_MS must be at least"),
         ("agentloop-worker", "WORKER_SAFETY_POLL_MS", "0", "WORKER_SAFETY_POLL_MS must be at least"),
-        ("agentloop-worker", "DB_POOL_SIZE", "0", "DB_POOL_SIZE must be 1 to"),
+        ("agentloop-worker", "DB_POOL_SIZE", "0", "must be 1 to 10000 connections"),
         ("agentloop-api", "REVOCATION_CHECK_MS", "0", "REVOCATION_CHECK_MS must be at least"),
         ("agentloop-api", "SSE_HEARTBEAT_MS", "5", "SSE_HEARTBEAT_MS must be at least"),
-        ("agentloop-api", "DB_POOL_SIZE", "0", "DB_POOL_SIZE must be 1 to"),
+        ("agentloop-api", "DB_POOL_SIZE", "0", "must be 1 to 10000 connections"),
         ("agentloop-api", "MODELS_FILE", "/nonexistent/models.json", "model catalog"),
         ("agentloop-api", "LIVE_MAX_CONNECTIONS", "0", "LIVE_MAX_CONNECTIONS must be at least 1"),
         ("agentloop-api", "MAX_ACTIVE_RUNS_PER_PRINCIPAL", "0", "0 is not in 1.."),
         ("agentloop-worker", "RECEIPT_RETENTION_HOURS", "1", "1 is not in 24.."),
+        ("agentloop-worker", "WORKER_LEASE_MS", "9223372036854775807", "WORKER_LEASE_MS must be at most"),
+        ("agentloop-worker", "WORKER_SHUTDOWN_GRACE_MS", "18446744073709551615", "must be at most"),
+        ("agentloop-api", "DB_COMMAND_POOL_SIZE", "18446744073709551615", "must be 1 to 10000 connections"),
     ];
     let no_database = stack.db.url.rsplit_once('/').map(|(server, _)| format!("{server}/no_such_database_here")).unwrap();
     let cases = cases.into_iter().map(|(b, v, x, e)| (b, v, x.to_owned(), e)).chain([

@@ -724,6 +724,41 @@ async fn a_model_outage_within_model_retry_ms_fails_nothing() {
     assert!(cancelled.elapsed() < Duration::from_secs(5), "the cancel waited {:?}", cancelled.elapsed());
 }
 
+/// The tool-call limit is per step, across a hand-back: a step re-opened after its slice was
+/// handed back (a shutdown here; a slot given back or a recovery alike) goes on counting from
+/// the calls it made (verification probe L, L-1: with `maxSteps: 1`, a run handed back after
+/// 8 calls made 30 and completed; one never handed back stops at 25).
+#[tokio::test]
+async fn the_tool_call_limit_holds_across_a_hand_back() {
+    let mut stack = Stack::start("limit_across_handback", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let db = stack.db.client().await.unwrap();
+    let steps: Vec<Value> = (0..30)
+        .map(|i| json!({"delayMs": 150, "toolCalls": [{"name": "calculator", "arguments": {"expression": format!("{i}+1")}}]}))
+        .chain([json!({"text": "done"})])
+        .collect();
+    let thread = c.create_thread().await.unwrap();
+    let r = c.post(&format!("/api/threads/{thread}/chat"), json!({"content": script(json!(steps)), "maxSteps": 1})).await.unwrap();
+    assert_eq!(r.status, 202, "{r:?}");
+    let run_id = r.body["run"]["id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let used: i32 = db.query_one("SELECT tool_calls_used FROM runs WHERE id = $1::text::uuid", &[&run_id]).await.unwrap().get(0);
+        if used >= 8 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the run made {used} tool calls");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stack.workers[0].signal(Sig::SIGTERM);
+    assert!(stack.workers[0].wait_exit(Duration::from_secs(20)), "the worker stopped");
+    stack.add_worker(&[]).unwrap();
+    let run = c.wait_terminal(&run_id, Duration::from_secs(60)).await.unwrap();
+    assert_eq!((run["status"].as_str(), run["error"]["code"].as_str()), (Some("failed"), Some("budget_exhausted")), "{run}");
+    let used: i32 = db.query_one("SELECT tool_calls_used FROM runs WHERE id = $1::text::uuid", &[&run_id]).await.unwrap().get(0);
+    assert!(used <= 26, "{used} tool calls in a step of at most 25");
+}
+
 /// Fair claims (migration 000034): a principal with a queue of slow runs does not hold every
 /// worker slot while another principal's turn waits. Before, runs were claimed oldest first
 /// whoever sent them, and B's one turn waited for all six of A's (acceptance probe E).

@@ -1031,6 +1031,11 @@ function hideBusyChoice() { const b = $('#busy-choice'); if (b) b.hidden = true;
 function onSendClick() {
   const V = S.V, r = V && shownRun(V);
   if (!$('#composer').value.trim()) return;
+  // A turn whose answer was lost is sent again exactly as it was (same key, same mode): the
+  // server answers with the turn it took, whatever the run does now (verification probe L,
+  // L-7: the "send after it finishes" choice offered here sent it again under a new key).
+  const p = pendingTurn;
+  if (p && V && p.threadId === V.id && p.content === $('#composer').value) { send(p.multitask || undefined); return; }
   const model = currentModel(), used = roughTokens($('#composer').value);
   if (model && model.maxInputTokens && used > model.maxInputTokens) {
     showError({code: 'turn_too_large', message: 'This message is about ' + fmt(used) + ' tokens; ' + model.id +
@@ -1083,6 +1088,9 @@ async function send(multitask) {
     }
     refreshThreadsSoon();
   } catch (e) {
+    // A refusal the server answered (4xx) took nothing: the next try is a new turn. Without an
+    // answer (the network, a 5xx) the turn may have been taken: it keeps its key.
+    if (e.status >= 400 && e.status < 500) pendingTurn = null;
     if (e.code === 'run_active') $('#busy-choice').hidden = false;
     else showError(e);
   } finally { btn.disabled = false; focusComposer(); }

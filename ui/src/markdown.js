@@ -78,8 +78,10 @@ const PURIFY = {
   USE_PROFILES: {html: true},
   SANITIZE_NAMED_PROPS: true,
   ALLOW_DATA_ATTR: false,
+  // No `role` / `aria-*` either: content announced as a modal dialog over the page (L-8).
+  ALLOW_ARIA_ATTR: false,
   FORBID_TAGS: ['style', 'form', 'input', 'textarea', 'select', 'option', 'dialog', 'template', 'slot'],
-  FORBID_ATTR: ['style', 'popover', 'popovertarget', 'popovertargetaction', 'command', 'commandfor', 'autofocus',
+  FORBID_ATTR: ['style', 'role', 'popover', 'popovertarget', 'popovertargetaction', 'command', 'commandfor', 'autofocus',
                 'tabindex', 'accesskey', 'form', 'formaction', 'inert'],
 };
 

@@ -65,7 +65,7 @@ pub struct WorkerConfig {
 
     /// Consecutive attempts of a run that ended by a fault without progress (a lease that
     /// expired, a hand-back after a transient database fault) after which it fails `abandoned`.
-    #[arg(long, env = "WORKER_MAX_RECOVERIES", default_value_t = 5)]
+    #[arg(long, env = "WORKER_MAX_RECOVERIES", default_value_t = 5, value_parser = clap::value_parser!(i32).range(0..))]
     pub max_recoveries: i32,
 
     /// Runs a claim pass may also start (their first slice's start written in the claim's
@@ -146,11 +146,11 @@ pub struct WorkerConfig {
 
     /// Hours the step rows (`run_steps`) of a run that ended are kept; the run row, its usage
     /// and its messages stay.
-    #[arg(long, env = "RUN_STEP_RETENTION_HOURS", default_value_t = 720)]
+    #[arg(long, env = "RUN_STEP_RETENTION_HOURS", default_value_t = 720, value_parser = clap::value_parser!(i64).range(0..))]
     pub run_step_retention_hours: i64,
 
     /// Hours a soft-deleted thread is kept before it is deleted with everything under it.
-    #[arg(long, env = "DELETED_THREAD_RETENTION_HOURS", default_value_t = 168)]
+    #[arg(long, env = "DELETED_THREAD_RETENTION_HOURS", default_value_t = 168, value_parser = clap::value_parser!(i64).range(0..))]
     pub deleted_thread_retention_hours: i64,
 
     /// Upper bound of the built-in `sleep` tool, in seconds.
@@ -218,7 +218,7 @@ pub struct WorkerConfig {
     pub webhook_timeout: Duration,
 
     /// Hours a delivered or failed webhook delivery (and its attempts) is kept.
-    #[arg(long, env = "WEBHOOK_DELIVERY_RETENTION_HOURS", default_value_t = 168)]
+    #[arg(long, env = "WEBHOOK_DELIVERY_RETENTION_HOURS", default_value_t = 168, value_parser = clap::value_parser!(i64).range(0..))]
     pub webhook_delivery_retention_hours: i64,
 
     /// TESTS ONLY: also register the non-idempotent `record_effect` tool, which counts its

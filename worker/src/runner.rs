@@ -111,6 +111,8 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     for (server, error) in registry.connect_mcp().await {
         tracing::warn!(mcp.server = %server, %error, "MCP server unavailable at start-up; retried when its tools are called");
     }
+    let problems = registry.mcp_config_problems();
+    anyhow::ensure!(problems.is_empty(), "TOOLS_FILE: {}", problems.join("; "));
     let stop = CancellationToken::new();
     let streams = StreamHub::new();
     // The flusher has its own connection: streaming must not queue behind slice starts and

@@ -135,6 +135,9 @@ pub struct Slice {
     pub(crate) usage: Usage,
     /// The partial answer of the current model call (kept for a cancellation).
     partial: Option<Arc<std::sync::Mutex<Partial>>>,
+    /// This slice streamed a model call (the partial the database holds is its own, not one
+    /// of a dead attempt's to keep on a cancel).
+    streamed: bool,
 }
 
 impl Slice {
@@ -212,7 +215,7 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_
     agentloop_shared::telemetry::set_remote_parent(&span, run.traceparent.as_deref());
     async move {
         let started = Instant::now();
-        let mut slice = Slice { env: env.clone(), lease, control: control.clone(), step_id: None, usage: Usage::default(), partial: None };
+        let mut slice = Slice { env: env.clone(), lease, control: control.clone(), step_id: None, usage: Usage::default(), partial: None, streamed: false };
         let outcome = match AssertUnwindSafe(body(&mut slice, &run, claim_start)).catch_unwind().await {
             Ok(outcome) => outcome,
             Err(panic) => {
@@ -262,7 +265,11 @@ pub async fn execute(env: Arc<SliceEnv>, run: Run, control: SliceControl, claim_
                 match slice.stopped_partial() {
                     Some(partial) => commit.messages.push(partial),
                     // Nothing streamed here: keep what an earlier attempt streamed, if anything.
-                    None => commit.end = Some(SliceEnd::Cancelled { keep_streamed: true }),
+                    None if !slice.streamed => commit.end = Some(SliceEnd::Cancelled { keep_streamed: true }),
+                    // A call of this slice failed and its partial was dropped (a cancel during
+                    // the pause before calling again keeps nothing of it: verification probe L,
+                    // L-2).
+                    None => {}
                 }
             }
             match slice.commit(commit).await {
@@ -390,7 +397,9 @@ async fn body(slice: &mut Slice, run: &Run, claim_start: Option<serde_json::Valu
     // tool call left every later turn failing): the copy is cut, the history is not.
     let turn_limit = agentloop_shared::generation::max_input_tokens(model, &start.metadata);
     context::bound_messages(&mut context, turn_limit);
-    let mut slice_tool_calls: u32 = 0;
+    // The limit is per step: a step re-opened (its slot given back, a hand-back, a recovery)
+    // goes on from the calls it made (verification probe L, L-1).
+    let mut slice_tool_calls: u32 = start.step.tool_calls.max(0) as u32;
 
     // SPEC §6-§7: the unanswered calls of the run's last tool-call message (approved, declined,
     // or interrupted by a crash) are answered before the model is called.
@@ -579,14 +588,18 @@ async fn call_model(
                 // nothing of it.
                 slice.partial = None;
                 let since = *first_failure.get_or_insert_with(Instant::now);
-                if !e.transient() || since.elapsed() + pause > patience {
+                // The last pause ends with the window, and one more call is made then (a pause
+                // that would pass it was not taken: verification probe L, L-3).
+                let left = patience.saturating_sub(since.elapsed());
+                if !e.transient() || left.is_zero() {
                     return Err(failed(e.code(), e.to_string()));
                 }
-                tracing::warn!(model.name = %model.id, error.code = e.code(), error = %e, pause_ms = pause.as_millis() as u64,
+                let wait = pause.min(left);
+                tracing::warn!(model.name = %model.id, error.code = e.code(), error = %e, pause_ms = wait.as_millis() as u64,
                                "model call failed; calling again after a pause (MODEL_RETRY_MS)");
                 metrics::counter!("agentloop_model_call_retries_total", "model" => model.id.clone(), "code" => e.code()).increment(1);
                 tokio::select! {
-                    () = tokio::time::sleep(pause) => {}
+                    () = tokio::time::sleep(wait) => {}
                     () = slice.control.aborted() => return Err(SliceError::Aborted),
                 }
                 pause = (pause * 2).min(Duration::from_secs(30));
@@ -602,6 +615,7 @@ async fn call_model_once(
     request: &ChatRequest,
 ) -> Result<Result<agentloop_shared::provider::client::AssistantTurn, agentloop_shared::provider::client::ProviderError>, SliceError> {
     let stream = slice.env.streams.open(&slice.lease, &slice.control);
+    slice.streamed = true;
     let partial = stream.partial.clone();
     slice.partial = Some(partial.clone());
     let sink = partial.clone();

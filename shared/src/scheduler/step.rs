@@ -83,6 +83,10 @@ pub struct SliceStart {
 pub struct StepRef {
     pub id: i64,
     pub sequence: i32,
+    /// Tool calls of the step so far: more than 0 when the step is re-opened (a slot given back,
+    /// a shutdown hand-back, a recovery); they count towards the slice's tool-call limit.
+    #[serde(default, rename = "toolCalls")]
+    pub tool_calls: i32,
 }
 
 /// Result of [`start_slice`].

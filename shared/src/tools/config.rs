@@ -293,7 +293,7 @@ impl ToolsConfig {
                 McpTransport::Http if server.url.is_none() => {
                     return Err(ToolsConfigError::Invalid(format!("MCP server `{}`: the http transport needs `url`", server.name)));
                 }
-                McpTransport::Stdio if server.command.is_none() => {
+                McpTransport::Stdio if server.command.as_deref().is_none_or(|c| c.trim().is_empty()) => {
                     return Err(ToolsConfigError::Invalid(format!("MCP server `{}`: the stdio transport needs `command`", server.name)));
                 }
                 McpTransport::Stdio if server.auth.is_some() => {
@@ -317,13 +317,17 @@ impl ToolsConfig {
                 return Err(ToolsConfigError::Invalid(format!("MCP server `{}`: url `{url}` is not an http(s) URL", server.name)));
             }
         }
-        let mut tool_names = std::collections::HashSet::new();
+        let mut tool_names: std::collections::HashSet<String> = std::collections::HashSet::new();
         for tool in &self.http_tools {
             if !valid(&tool.name) {
                 return Err(ToolsConfigError::Invalid(format!("HTTP tool name `{}` must match ^[a-zA-Z0-9_-]{{1,64}}$", tool.name)));
             }
-            if !tool_names.insert(tool.name.as_str()) {
+            // Names differing only in case are one name to a reader (and to some models).
+            if !tool_names.insert(tool.name.to_ascii_lowercase()) {
                 return Err(ToolsConfigError::Invalid(format!("HTTP tool `{}` is configured twice", tool.name)));
+            }
+            if tool.name.contains("__") {
+                return Err(ToolsConfigError::Invalid(format!("HTTP tool name `{}` must not contain `__` (the MCP tools' namespace separator)", tool.name)));
             }
             if !web(&tool.url) {
                 return Err(ToolsConfigError::Invalid(format!("HTTP tool `{}`: url `{}` is not an http(s) URL", tool.name, tool.url)));

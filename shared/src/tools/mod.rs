@@ -243,7 +243,7 @@ impl ToolRegistry {
         self.settings = config.tools.clone();
         self.default_policy = config.default_policy.unwrap_or_default();
         for tool in &config.http_tools {
-            if self.tools.iter().any(|t| t.name() == tool.name) {
+            if self.tools.iter().any(|t| t.name().eq_ignore_ascii_case(&tool.name)) {
                 self.shadowed.push(tool.name.clone());
             }
             self.register(Arc::new(http::HttpTool::new(tool.clone())));
@@ -363,6 +363,33 @@ impl ToolRegistry {
                 known.join(", "),
                 if servers.is_empty() { String::new() } else { format!(", {}", servers.join(", ")) }
             ));
+        }
+        problems
+    }
+
+    /// After [`ToolRegistry::connect_mcp`]: entries of `tools` in the namespace of an MCP server
+    /// that listed its tools, naming none of them (verification probe L, L-4: a `deny` on a
+    /// misspelt `x__delete` protected nothing). A server that was down is not checked.
+    pub fn mcp_config_problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        for server in &self.mcp {
+            let listed = server.tools();
+            if listed.is_empty() {
+                continue;
+            }
+            let mut unknown: Vec<&String> =
+                self.settings.keys().filter(|name| server.owns(name) && !listed.iter().any(|t| t.name() == name.as_str())).collect();
+            unknown.sort();
+            if !unknown.is_empty() {
+                let mut names: Vec<&str> = listed.iter().map(|t| t.name()).collect();
+                names.sort_unstable();
+                problems.push(format!(
+                    "`tools` names tools MCP server `{}` does not list: {} (it lists: {})",
+                    server.name(),
+                    unknown.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "),
+                    names.join(", ")
+                ));
+            }
         }
         problems
     }
