@@ -88,7 +88,7 @@ function skeleton() {
             h('button', {'data-testid': 'interrupt-send', text: 'Stop it and send now', onclick: () => send('interrupt')}),
             h('button', {class: 'link', 'data-testid': 'keep-typing', text: 'Keep editing', onclick: hideBusyChoice})),
           h('form', {id: 'composer-form', class: 'composer', onsubmit: e => { e.preventDefault(); onSendClick(); }},
-            h('textarea', {id: 'composer', 'data-testid': 'composer', rows: 1, placeholder: 'Message agentloop', oninput: onComposerInput,
+            h('textarea', {id: 'composer', 'data-testid': 'composer', rows: 1, placeholder: 'Message agentloop', 'aria-label': 'Message', oninput: onComposerInput,
               onkeydown: e => { if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); onSendClick(); } }}),
             h('div', {class: 'composer-side'},
               h('span', {id: 'limit', class: 'limit', 'data-testid': 'input-limit', hidden: true}),
@@ -184,9 +184,11 @@ function toast(text, action) {
   toastTimer = setTimeout(() => { t.hidden = true; }, action ? UNDO_MS : 3000);
 }
 
-let modalDone = null;
+let modalDone = null, modalOpener = null;
 function confirmDialog(title, text, okLabel) {
   const m = $('#modal');
+  // Focus goes back to what opened the dialog when it closes (acceptance probe K, K-11).
+  modalOpener = document.activeElement;
   m.replaceChildren(h('div', {class: 'dialog', role: 'dialog', 'aria-modal': 'true', 'data-testid': 'confirm-dialog'},
     h('h2', {text: title}), h('p', {text}),
     h('div', {class: 'dialog-actions'},
@@ -196,7 +198,13 @@ function confirmDialog(title, text, okLabel) {
   m.querySelector('[data-testid=confirm-ok]').focus();
   return new Promise(resolve => { modalDone = resolve; });
 }
-function closeModal(ok) { $('#modal').hidden = true; if (modalDone) { const d = modalDone; modalDone = null; d(ok); } }
+function closeModal(ok) {
+  $('#modal').hidden = true;
+  const opener = modalOpener;
+  modalOpener = null;
+  if (opener && opener.isConnected && typeof opener.focus === 'function') opener.focus();
+  if (modalDone) { const d = modalDone; modalDone = null; d(ok); }
+}
 
 // ---- sign-in -------------------------------------------------------------------------------------
 async function showSignIn(notice) {
@@ -215,7 +223,8 @@ async function showSignIn(notice) {
     err.hidden = true;
     try {
       await signIn(key.value.trim());
-      start();
+      await start();
+      focusComposer();
     } catch (x) {
       err.hidden = false;
       err.textContent = x.status === 401 ? 'That API key is not valid (or it was revoked).' : friendly(x);
