@@ -115,6 +115,7 @@ function skeleton() {
   window.addEventListener('hashchange', () => {
     const id = location.hash.slice(1);
     if (id && (!S.V || S.V.id !== id)) openThread(id);
+    else if (!id && S.V) { S.V.close(); S.V = null; renderEmpty(); }
   });
 }
 
@@ -490,7 +491,9 @@ async function openThread(id, focusSeq) {
   }
   if (S.V) S.V.close();
   const V = S.V = newView(id);
-  history.replaceState(null, '', '#' + id);
+  // Each chat opened is a history entry: Back and Forward move between chats (the hashchange
+  // listener opens the chat of the hash; acceptance probe K, K-10).
+  if (location.hash !== '#' + id) history.pushState(null, '', '#' + id);
   $('#msgs').replaceChildren();
   closePops();
   showError(null);
