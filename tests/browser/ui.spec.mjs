@@ -246,6 +246,16 @@ export const tests = [
       const sent = w.body.messages.filter(m => m.role === 'user' && m.content === once).length;
       const answers = w.body.messages.filter(m => m.role === 'assistant' && m.content === 'slow once').length;
       assert(sent === 1 && answers === 1, `the resend was taken as the same turn: ${sent} turns, ${answers} answers`);
+      // Probe K, K-10 / K-11: Back and Forward move between chats; the composer has a label.
+      const second = await newThread(page);
+      await page.goBack();
+      await page.waitForFunction(id => location.hash === '#' + id, thread);
+      await bubbles(page, 'assistant').filter({ hasText: 'slow once' }).first().waitFor();
+      await page.goForward();
+      await page.waitForFunction(id => location.hash === '#' + id, second);
+      await page.locator(sel('welcome')).or(page.locator(sel('composer'))).first().waitFor();
+      assert(await bubbles(page, 'assistant').filter({ hasText: 'slow once' }).count() === 0, 'Forward shows the other chat');
+      assert((await page.getAttribute(sel('composer'), 'aria-label')) === 'Message', 'the composer is labelled');
       await shot(page, 'ui-01b-hostile');
     },
   },
