@@ -1070,7 +1070,10 @@ let pendingTurn = null;
 function turnKey(threadId, content, multitask) {
   const p = pendingTurn;
   if (!p || p.threadId !== threadId || p.content !== content || p.multitask !== multitask) {
-    pendingTurn = {threadId, content, multitask, key: 'ui-' + crypto.randomUUID()};
+    // crypto.getRandomValues, not randomUUID: the latter exists only in secure contexts, and
+    // an api served over plain HTTP on a LAN address is not one.
+    const bytes = crypto.getRandomValues(new Uint8Array(16));
+    pendingTurn = {threadId, content, multitask, key: 'ui-' + Array.from(bytes, b => b.toString(16).padStart(2, '0')).join('')};
   }
   return pendingTurn.key;
 }
