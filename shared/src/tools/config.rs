@@ -236,13 +236,41 @@ pub struct HttpToolConfig {
     pub redirects: Redirects,
 }
 
+/// A JSON object as a map, refusing a key that appears twice.
+fn unique_keys<'de, D, V>(deserializer: D) -> Result<HashMap<String, V>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    V: Deserialize<'de>,
+{
+    struct Unique<V>(std::marker::PhantomData<V>);
+    impl<'de, V: Deserialize<'de>> serde::de::Visitor<'de> for Unique<V> {
+        type Value = HashMap<String, V>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object of tool names")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut out = HashMap::new();
+            while let Some((key, value)) = map.next_entry::<String, V>()? {
+                if out.contains_key(&key) {
+                    return Err(serde::de::Error::custom(format!("tool `{key}` is configured twice in `tools`")));
+                }
+                out.insert(key, value);
+            }
+            Ok(out)
+        }
+    }
+    deserializer.deserialize_map(Unique(std::marker::PhantomData))
+}
+
 /// The whole `TOOLS_FILE`.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ToolsConfig {
     #[serde(default)]
     pub default_policy: Option<Policy>,
-    #[serde(default)]
+    /// Per-tool settings; a name given twice is an error, not the last one winning (verification
+    /// probe L, L-5: a second entry silently replaced a `deny`).
+    #[serde(default, deserialize_with = "unique_keys")]
     pub tools: HashMap<String, ToolSettings>,
     #[serde(default)]
     pub mcp_servers: Vec<McpServerConfig>,
@@ -362,6 +390,8 @@ mod tests {
             serde_json::from_value(serde_json::json!({"mcpServers": [{"name": "a__b", "transport": "http", "url": "u"}]})).unwrap();
         assert!(bad.validate().is_err());
         assert!(serde_json::from_value::<ToolsConfig>(serde_json::json!({"tool": {}})).is_err());
+        let twice = r#"{"tools": {"pay": {"policy": "deny"}, "pay": {"policy": "auto"}}}"#;
+        assert!(serde_json::from_str::<ToolsConfig>(twice).unwrap_err().to_string().contains("`pay` is configured twice"));
     }
 
     #[test]
