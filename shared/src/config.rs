@@ -55,9 +55,19 @@ pub fn pool_size(s: &str) -> Result<usize, String> {
 
 /// Parses a duration in milliseconds, 0 to [`MAX_MILLIS`] (clap value parser).
 pub fn parse_millis(s: &str) -> Result<Duration, String> {
-    let ms = s.trim().parse::<u64>().map_err(|e| format!("expected milliseconds: {e}"))?;
+    millis("a duration", 0, s)
+}
+
+/// `s` as milliseconds of setting `name`, `min` to [`MAX_MILLIS`]. The ceiling is far above any
+/// sensible setting, so every interval, lease and timeout can be added to a timestamp
+/// (verification probe L, L-6: i64::MAX ms made every claim fail and every /v1 request answer 500).
+fn millis(name: &str, min: u64, s: &str) -> Result<Duration, String> {
+    let ms = s.trim().parse::<u64>().map_err(|e| format!("{name}: expected milliseconds: {e}"))?;
+    if ms < min {
+        return Err(format!("{name} must be at least {min} ms"));
+    }
     if ms > MAX_MILLIS {
-        return Err(format!("must be at most {MAX_MILLIS} ms (366 days)"));
+        return Err(format!("{name} must be at most {MAX_MILLIS} ms (366 days)"));
     }
     Ok(Duration::from_millis(ms))
 }
@@ -71,19 +81,7 @@ pub const MAX_MILLIS: u64 = 366 * 24 * 3600 * 1000;
 /// `WORKER_RENEW_MS=0` started a worker whose lease keeper had died, and its runs were taken over
 /// and their paid answers asked again).
 pub fn millis_at_least(name: &'static str, min: u64) -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync + 'static {
-    move |s: &str| {
-        let ms = s.trim().parse::<u64>().map_err(|e| format!("{name}: expected milliseconds: {e}"))?;
-        if ms < min {
-            return Err(format!("{name} must be at least {min} ms"));
-        }
-        // A bound far above any sensible setting that every interval, lease and timeout can be
-        // added to a timestamp with (verification probe L, L-6: i64::MAX ms made every claim
-        // fail and every /v1 request answer 500).
-        if ms > MAX_MILLIS {
-            return Err(format!("{name} must be at most {MAX_MILLIS} ms (366 days)"));
-        }
-        Ok(Duration::from_millis(ms))
-    }
+    move |s: &str| millis(name, min, s)
 }
 
 /// A clap value parser of setting `name`, a count (or a size in bytes) of at least `min`

@@ -106,12 +106,10 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
         registry.register(Arc::new(crate::test_tools::RecordEffect { pool: maintenance_pool.clone() }));
         registry.register(Arc::new(crate::test_tools::CrashSlice));
     }
-    let problems = registry.config_problems();
-    anyhow::ensure!(problems.is_empty(), "TOOLS_FILE: {}", problems.join("; "));
     for (server, error) in registry.connect_mcp().await {
         tracing::warn!(mcp.server = %server, %error, "MCP server unavailable at start-up; retried when its tools are called");
     }
-    let problems = registry.mcp_config_problems();
+    let problems = registry.config_problems();
     anyhow::ensure!(problems.is_empty(), "TOOLS_FILE: {}", problems.join("; "));
     let stop = CancellationToken::new();
     let streams = StreamHub::new();

@@ -339,57 +339,33 @@ impl ToolRegistry {
     }
 
     /// What is wrong with the tools file against the tools this worker has (call once every
-    /// tool is registered; the worker refuses to start on any): an entry of `tools` that names
-    /// no tool — neither a registered one nor one in a configured MCP server's `<server>__`
-    /// namespace — so its policy would apply to nothing (acceptance probe J, F7: a misspelt
-    /// `deny` kill switch did nothing); an HTTP tool with the name of a built-in one, which it
+    /// tool is registered and [`ToolRegistry::connect_mcp`] has run; the worker refuses to start
+    /// on any): an entry of `tools` that names no tool — neither a registered one, nor one an
+    /// MCP server listed, nor one in the namespace of a server that was down — so its policy
+    /// would apply to nothing (acceptance probe J, F7 and verification probe L, L-4: a misspelt
+    /// `deny` protected nothing); an HTTP tool with the name of a built-in one, which it
     /// silently replaced.
     pub fn config_problems(&self) -> Vec<String> {
         let mut problems: Vec<String> =
             self.shadowed.iter().map(|n| format!("the HTTP tool `{n}` has the name of a built-in tool; rename it")).collect();
-        let mut unknown: Vec<&String> = self
-            .settings
-            .keys()
-            .filter(|name| !self.tools.iter().any(|t| t.name() == name.as_str()) && !self.mcp.iter().any(|m| m.owns(name)))
-            .collect();
+        let known = |name: &str| {
+            self.tools.iter().any(|t| t.name() == name)
+                || self.mcp.iter().any(|m| m.owns(name) && {
+                    let listed = m.tools();
+                    listed.is_empty() || listed.iter().any(|t| t.name() == name)
+                })
+        };
+        let mut unknown: Vec<&String> = self.settings.keys().filter(|name| !known(name)).collect();
         unknown.sort();
         if !unknown.is_empty() {
-            let mut known: Vec<&str> = self.tools.iter().map(|t| t.name()).collect();
-            known.sort_unstable();
-            let servers: Vec<String> = self.mcp.iter().map(|m| format!("{}__*", m.name())).collect();
+            let mut names: Vec<String> = self.all().iter().map(|t| t.name().to_owned()).collect();
+            names.extend(self.mcp.iter().filter(|m| m.tools().is_empty()).map(|m| format!("{}__* (not connected)", m.name())));
+            names.sort_unstable();
             problems.push(format!(
-                "`tools` names tools that do not exist: {} (tools: {}{})",
+                "`tools` names tools that do not exist: {} (tools: {})",
                 unknown.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "),
-                known.join(", "),
-                if servers.is_empty() { String::new() } else { format!(", {}", servers.join(", ")) }
+                names.join(", ")
             ));
-        }
-        problems
-    }
-
-    /// After [`ToolRegistry::connect_mcp`]: entries of `tools` in the namespace of an MCP server
-    /// that listed its tools, naming none of them (verification probe L, L-4: a `deny` on a
-    /// misspelt `x__delete` protected nothing). A server that was down is not checked.
-    pub fn mcp_config_problems(&self) -> Vec<String> {
-        let mut problems = Vec::new();
-        for server in &self.mcp {
-            let listed = server.tools();
-            if listed.is_empty() {
-                continue;
-            }
-            let mut unknown: Vec<&String> =
-                self.settings.keys().filter(|name| server.owns(name) && !listed.iter().any(|t| t.name() == name.as_str())).collect();
-            unknown.sort();
-            if !unknown.is_empty() {
-                let mut names: Vec<&str> = listed.iter().map(|t| t.name()).collect();
-                names.sort_unstable();
-                problems.push(format!(
-                    "`tools` names tools MCP server `{}` does not list: {} (it lists: {})",
-                    server.name(),
-                    unknown.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "),
-                    names.join(", ")
-                ));
-            }
         }
         problems
     }

@@ -292,14 +292,14 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
     match end {
         Some(End::Completed { prompt, completion }) => {
             let mut events = Vec::new();
-            // Noted before they are returned (migration 000038), unless a keyed request's
-            // `ended` above did it already.
-            if !client_calls.is_empty() && response.is_none() {
-                if let Err(error) = agentloop_shared::commands::openai_note_client_calls(&state.store, request.thread_id).await {
+            if !client_calls.is_empty() {
+                // Noted before they are returned (migration 000038), unless a keyed request's
+                // `ended` above did it already.
+                if response.is_none()
+                    && let Err(error) = agentloop_shared::commands::openai_note_client_calls(&state.store, request.thread_id).await
+                {
                     tracing::warn!(thread_id = %request.thread_id, %error, "could not note the client calls; the next request will not see this run's server calls");
                 }
-            }
-            if !client_calls.is_empty() {
                 events.push(chunker.tool_calls(&client_calls));
             }
             let finish = if client_calls.is_empty() { cut.as_deref().unwrap_or("stop") } else { "tool_calls" };
