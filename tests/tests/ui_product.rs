@@ -393,3 +393,40 @@ async fn a_stopped_answer_reads_as_interrupted_to_the_model() {
     let partial = msgs.iter().find(|m| m["role"] == "assistant").unwrap()["content"].as_str().unwrap().to_owned();
     assert!(partial.starts_with("w1 w2") && partial.ends_with("[interrupted: the user stopped this answer before it was finished]"), "{partial}");
 }
+
+/// Any text is stored and searched in time linear in its length, within PostgreSQL's bounds
+/// (migration 000043). PostgreSQL's text-search parser is quadratic in a run without whitespace
+/// of some characters: the search index made the commit of an answer of 48,000 `_a` take about
+/// five minutes, so the worker's commit timed out again and again and the paid answer was never
+/// stored; and a tsvector holds at most 1 MiB, so a message of ~2 MB of distinct words failed
+/// its insert (`string is too long for tsvector`).
+#[tokio::test]
+async fn any_text_is_stored_and_searched_in_linear_time() {
+    let stack = Stack::start("ui_search_bounds", StackOptions::default()).await.unwrap();
+    let c = stack.client();
+    let thread = untitled(&c).await;
+    let run = c.chat(&thread, &format!("long line please {}", script(json!([{"text": "_a", "repeat": 48_000}])))).await.unwrap();
+    let run = c.wait_terminal(run["run"]["id"].as_str().unwrap(), Duration::from_secs(60)).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let answer = texts(&window(&c, &thread).await).pop().unwrap().1;
+    assert_eq!(answer, "_a".repeat(48_000), "the answer is stored whole");
+
+    // ~1 MB of distinct words (a tsvector of ~1.6 MiB): stored; the first 128 Ki characters are
+    // searched.
+    let run = c.chat(&thread, &format!("many words {}", script(json!([{"text": "w{{n}}q ", "repeat": 100_000}])))).await.unwrap();
+    let run = c.wait_terminal(run["run"]["id"].as_str().unwrap(), Duration::from_secs(60)).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    let db = stack.db.client().await.unwrap();
+    let stored = rows(&db, &thread).await.pop().unwrap().1;
+    assert!(stored.starts_with("\"w0q w1q ") && stored.ends_with(" w99999q \""), "the answer is stored whole");
+    let found = c.get("/api/search?q=w100q").await.unwrap();
+    assert_eq!(found.body["messages"][0]["threadId"], thread.as_str(), "{found:?}");
+    assert!(found.body["messages"][0]["snippet"].as_str().unwrap().contains("\u{2}w100q\u{3}"), "{found:?}");
+    assert_eq!(c.get("/api/search?q=w99999q").await.unwrap().body["messages"], json!([]), "only the first 128 Ki characters are indexed");
+
+    // An import of the slow class (a path-like run) is stored at once too.
+    let r = c.post("/api/threads/import", json!({"messages": [{"role": "user", "content": "firstneedle"}, {"role": "assistant", "content": "/~".repeat(40_000)}]})).await.unwrap();
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let found = c.get("/api/search?q=firstneedle").await.unwrap();
+    assert_eq!(found.body["messages"][0]["threadId"], r.body["thread"]["id"], "{found:?}");
+}

@@ -127,6 +127,10 @@ struct CountLoop {
 struct Step {
     /// Assistant content; `{{tool_result}}` and `{{tool_results}}` are substituted.
     text: Option<String>,
+    /// Sends `text` this many times over, joined by nothing, with `{{n}}` in it replaced by the
+    /// repetition's number from 0 (a huge answer, of distinct words if wanted, without a huge
+    /// script in the user's message); about [`MAX_REPEAT_BYTES`] at most.
+    repeat: Option<usize>,
     /// Tool calls of this turn, in order.
     #[serde(default)]
     tool_calls: Vec<ToolCallSpec>,
@@ -156,6 +160,9 @@ struct Step {
     /// call; at most [`MAX_STEP_RETRIES`] times in a row.
     retry_if_result_contains: Option<String>,
 }
+
+/// Largest answer `repeat` builds, in bytes.
+pub const MAX_REPEAT_BYTES: usize = 64 << 20;
 
 /// Replays of one `retryIfResultContains` step before the script moves on regardless.
 pub const MAX_STEP_RETRIES: usize = 2;
@@ -407,6 +414,20 @@ fn scripted_reply(
                 &conversation.tool_results_after().join(", "),
             )
             .replace("{{tool_result}}", &conversation.last_tool_result())
+        })
+        .map(|text| match step.repeat {
+            Some(n) if text.contains("{{n}}") => {
+                let mut all = String::new();
+                for i in 0..n {
+                    all.push_str(&text.replace("{{n}}", &i.to_string()));
+                    if all.len() > MAX_REPEAT_BYTES {
+                        break;
+                    }
+                }
+                all
+            }
+            Some(n) if !text.is_empty() => text.repeat(n.min(MAX_REPEAT_BYTES / text.len())),
+            _ => text,
         })
         .unwrap_or_default();
     let tool_calls = step
