@@ -260,6 +260,31 @@ export const tests = [
     },
   },
   {
+    name: '1c a long answer, slow to parse as Markdown, is shown whole and leaves the page responsive',
+    fn: async browser => {
+      const t = await open(browser, 'slow-markdown');
+      const page = t.page;
+      await newThread(page);
+      // Acceptance probe K, K-12: emphasis delimiters on one long line. marked parsed 48,000 `_a`
+      // in ~11 s (quadratic in the run's length; node, this machine), markdown-it in ~0.1 s.
+      await send(page, 'Go. ' + mock([{ text: '_a', repeat: 48000, delayMs: 500 }]));
+      // A live update carries the answer's head; the page reads it whole and shows that. The
+      // page answers throughout (each probe is one animation frame).
+      const answer = bubbles(page, 'assistant').filter({ hasText: '_a_a_a' }).first();
+      let worst = 0, shown = '';
+      for (const until = Date.now() + 60_000; Date.now() < until; await sleep(100)) {
+        const started = Date.now();
+        await page.evaluate(() => new Promise(r => requestAnimationFrame(() => r(0))));
+        worst = Math.max(worst, Date.now() - started);
+        if (await answer.isVisible()) shown = (await answer.innerText()).trim();
+        if (shown.length === 96000) break;
+      }
+      assert(shown.length === 96000, 'the whole answer is shown: ' + shown.length + ' ' + shown.slice(-80));
+      assert(worst < 3000, `the page answered within 3 s throughout (worst ${worst} ms)`);
+      assert(await page.locator(sel('shortened')).count() === 0, 'not marked shortened');
+    },
+  },
+  {
     name: '2+3 phone layout: drawer, composer and Stop reachable; Stop keeps the partial answer; queue / interrupt',
     fn: async browser => {
       const t = await open(browser, 'phone', PHONE);

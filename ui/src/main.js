@@ -563,7 +563,30 @@ function addMessage(V, m) {
     V.thread.messageCount = (V.thread.messageCount || 0) + 1;
   }
   renderMessage(V, m);
+  if (m.truncated) loadWhole(V, m);
   return true;
+}
+
+/** Largest message the page reads whole, in bytes (the messages page's `maxBytes` bound). */
+const WHOLE_MESSAGE_BYTES = 2 * 1024 * 1024;
+
+// A message that came shortened (a live update carries at most an eighth of its bound per
+// member; the window cuts what its byte budget cannot hold) is read again whole, up to
+// WHOLE_MESSAGE_BYTES, and drawn in its place: the answer a user reads, copies or edits is the
+// stored one, not its head.
+async function loadWhole(V, m) {
+  const q = new URLSearchParams({after: String(m.sequence - 1), take: '1', maxBytes: String(WHOLE_MESSAGE_BYTES)});
+  let r;
+  try { r = await api('GET', '/api/threads/' + V.id + '/messages?' + q, undefined, V.ctl.signal); } catch (_) { return; }
+  const whole = r && (r.messages || []).find(x => x.sequence === m.sequence);
+  // Gone, or replaced by something newer, while this was read.
+  if (!V.alive || !whole || whole.active === false || V.msgs.get(m.sequence) !== m) return;
+  const stick = nearBottom();
+  V.msgs.set(m.sequence, whole);
+  const old = V.els.get(m.sequence);
+  if (old && !(m.role === 'tool' && V.slots.has(m.toolCallId))) old.remove();
+  renderMessage(V, whole);
+  if (stick) scrollDown(true);
 }
 
 function fillSlot(slot, m) {
@@ -608,7 +631,7 @@ function renderMessage(V, m) {
       if (m.role === 'assistant') setMarkdown(bubble, txt); else bubble.textContent = txt;
       node.append(bubble);
     }
-    if (m.truncated) node.append(h('div', {class: 'note', text: '(long message: shortened here)'}));
+    if (m.truncated) node.append(h('div', {class: 'note', 'data-testid': 'shortened', text: '(long message: shortened here — export the chat to read it whole)'}));
     if (m.stopped) node.append(h('div', {class: 'stopped-tag', 'data-testid': 'stopped', text: 'Stopped — you interrupted this answer'}));
     // The provider ended the answer early (finish_reason `length`, `content_filter`, ...).
     if (m.finishReason) node.append(h('div', {class: 'stopped-tag', 'data-testid': 'cut', text: m.finishReason === 'length'
@@ -963,9 +986,17 @@ function renderQueued() {
   }));
 }
 
-let streamFrame = 0;
+// The partial answer is drawn at most once per animation frame, and each draw re-renders the
+// whole answer's Markdown: for a long answer a draw is kept to at most a fifth of the time
+// (the next waits four times as long as the last took), so a stream of a large answer never
+// keeps the page busy (acceptance probe K, K-12).
+let streamFrame = 0, streamTimer = 0, streamDrawnAt = 0, streamDrawMs = 0;
 function renderStream() {
-  if (streamFrame) return;
+  const ending = !(S.V && S.V.stream);
+  if (streamTimer && ending) { clearTimeout(streamTimer); streamTimer = 0; }
+  if (streamFrame || streamTimer) return;
+  const wait = streamDrawnAt + 4 * streamDrawMs - performance.now();
+  if (!ending && wait > 16) { streamTimer = setTimeout(() => { streamTimer = 0; renderStream(); }, wait); return; }
   streamFrame = requestAnimationFrame(() => {
     streamFrame = 0;
     const V = S.V, box = $('#stream'), s = V && V.stream;
@@ -973,7 +1004,10 @@ function renderStream() {
     if (!s) return;
     box.dataset.runId = s.runId || '';
     const bubble = box.querySelector('.bubble');
+    const started = performance.now();
     setMarkdown(bubble, s.content);
+    streamDrawnAt = performance.now();
+    streamDrawMs = streamDrawnAt - started;
     bubble.hidden = !s.content && !!s.reasoning;
     const rd = box.querySelector('details');
     rd.hidden = !s.reasoning;
