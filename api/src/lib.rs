@@ -52,10 +52,10 @@ pub struct ApiConfig {
     #[arg(long, env = "SSE_HEARTBEAT_MS", default_value = "15000", value_parser = agentloop_shared::config::millis_at_least("SSE_HEARTBEAT_MS", 1000))]
     pub sse_heartbeat: Duration,
 
-    /// Live-update transport: auto | sse | long-poll (anything else means auto). With
+    /// Live-update transport: auto | sse | long-poll (anything else stops the api at start). With
     /// `long-poll` the SSE route answers 503 `sse_unavailable`.
-    #[arg(long, env = "EVENTS_TRANSPORT", default_value = "auto")]
-    pub events_transport: String,
+    #[arg(long, env = "EVENTS_TRANSPORT", value_enum, default_value = "auto", ignore_case = true)]
+    pub events_transport: Transport,
 
     /// Default long-poll wait in ms when the request gives no `timeoutMs`.
     #[arg(long, env = "LONG_POLL_TIMEOUT_MS", default_value = "25000", value_parser = agentloop_shared::config::millis_at_least("LONG_POLL_TIMEOUT_MS", 100))]
@@ -194,28 +194,18 @@ pub struct HostileArgs {
     pub live_event_max_bytes: usize,
 }
 
-/// Live-update transports (SPEC §10).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Live-update transports (SPEC §10). A value clap does not know stops the api at start (it
+/// fell back to `auto` with a warning: an operator who meant `long-poll` behind a proxy that
+/// breaks SSE got SSE — acceptance probe J).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Transport {
     Auto,
     Sse,
+    #[value(alias = "longpoll", alias = "long_poll")]
     LongPoll,
 }
 
 impl Transport {
-    /// Parses the configured value; invalid values fall back to `auto`.
-    pub fn parse(value: &str) -> Self {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "sse" => Self::Sse,
-            "long-poll" | "longpoll" | "long_poll" => Self::LongPoll,
-            "auto" => Self::Auto,
-            other => {
-                tracing::warn!(value = other, "unknown EVENTS_TRANSPORT; using auto");
-                Self::Auto
-            }
-        }
-    }
-
     /// The wire name.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -357,7 +347,7 @@ impl Application {
             catalog,
             hub,
             loopback_principal,
-            transport: Transport::parse(&config.events_transport),
+            transport: config.events_transport,
             sse_heartbeat: config.sse_heartbeat,
             long_poll_timeout: config.long_poll_timeout.min(h.long_poll_max),
             long_poll_max: h.long_poll_max,

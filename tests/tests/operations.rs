@@ -616,7 +616,7 @@ async fn the_purge_never_waits_for_a_thread_or_run_another_session_holds() {
 /// `WORKER_STREAM_THROTTLE_MS=0` and `REVOCATION_CHECK_MS=0` killed the stream flusher and the
 /// revocation check; `SSE_HEARTBEAT_MS=0` flooded clients; `DB_POOL_SIZE=0` made an api that
 /// answered `database_unavailable` to everything; a missing `MODELS_FILE` made an api that said
-/// it was ready and refused every chat).
+/// it was ready and refused every chat; an unknown `EVENTS_TRANSPORT` served SSE).
 #[tokio::test]
 async fn settings_a_process_cannot_work_with_are_refused_at_start() {
     let stack = Stack::start("bad_settings", StackOptions { workers: 0, ..Default::default() }).await.unwrap();
@@ -635,6 +635,8 @@ async fn settings_a_process_cannot_work_with_are_refused_at_start() {
         ("agentloop-worker", "WORKER_LEASE_MS", "9223372036854775807", "WORKER_LEASE_MS must be at most"),
         ("agentloop-worker", "WORKER_SHUTDOWN_GRACE_MS", "18446744073709551615", "must be at most"),
         ("agentloop-api", "DB_COMMAND_POOL_SIZE", "18446744073709551615", "must be 1 to 10000 connections"),
+        // It fell back to `auto` with a warning (probe J).
+        ("agentloop-api", "EVENTS_TRANSPORT", "websockets", "invalid value 'websockets'"),
     ];
     let no_database = stack.db.url.rsplit_once('/').map(|(server, _)| format!("{server}/no_such_database_here")).unwrap();
     let cases = cases.into_iter().map(|(b, v, x, e)| (b, v, x.to_owned(), e)).chain([
