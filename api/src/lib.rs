@@ -340,10 +340,19 @@ impl Application {
             heavy_reads_per_principal: h.heavy_reads_per_principal,
         }));
         agentloop_shared::tasks::spawn_critical("live-update listener", shutdown.clone(), hub.clone().run(config.db.database_url.clone(), shutdown.clone()));
+        let metrics = agentloop_shared::telemetry::metrics::install();
+        agentloop_shared::telemetry::metrics::zero_counters(&[
+            ("agentloop_auth_failures_total", &[]),
+            ("agentloop_runs_enqueued_total", &[("status", "queued")]),
+            ("agentloop_tool_approvals_decided_total", &[("decision", "approved")]),
+            ("agentloop_tool_approvals_decided_total", &[("decision", "rejected")]),
+            ("agentloop_openai_detached_total", &[]),
+            ("agentloop_openai_abandoned_total", &[]),
+        ]);
         let state = web::Data::new(AppState {
             pool,
             store,
-            metrics: agentloop_shared::telemetry::metrics::install(),
+            metrics,
             catalog,
             hub,
             loopback_principal,

@@ -277,6 +277,16 @@ pub mod metrics {
         Ok(())
     }
 
+    /// Creates `counters` (name, labels) at 0, so that they are in `/metrics` from the start:
+    /// a counter appears only once touched, and a dashboard or a rule over one that never moved
+    /// showed "no data" instead of 0 (acceptance probe J). Call after the recorder is installed.
+    pub fn zero_counters(counters: &[(&'static str, &[(&'static str, &'static str)])]) {
+        for (name, labels) in counters {
+            let labels: Vec<metrics::Label> = labels.iter().map(|(k, v)| metrics::Label::new(*k, *v)).collect();
+            metrics::counter!(*name, labels).increment(0);
+        }
+    }
+
     /// Seconds since the Unix epoch, for `*_timestamp_seconds` gauges.
     pub fn unix_now() -> f64 {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())

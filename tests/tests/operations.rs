@@ -118,6 +118,10 @@ async fn retention_bounds_every_table_and_spares_live_data() {
             // and its models.
             let info = text.lines().find(|l| l.starts_with("agentloop_worker_config_info{")).unwrap_or_else(|| panic!("no config info:\n{text}"));
             assert!(info.contains("models=\"mock\"") && info.contains("tools=\"") && info.ends_with(" 1"), "{info}");
+            // Counters the alert rules use exist before they first move (probe J).
+            for zero in ["agentloop_lease_lost_total 0", "agentloop_lease_renew_failures_total 0", "agentloop_slices_total{end=\"failed\"} 0"] {
+                assert!(text.lines().any(|l| l == zero), "no `{zero}` in:\n{text}");
+            }
             break;
         }
         assert!(Instant::now() < deadline, "worker metrics missing figures:\n{text}");

@@ -44,6 +44,20 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     let worker_id = crate::worker_identity(config.worker_id.as_deref());
     if let Some(addr) = config.metrics_listen {
         agentloop_shared::telemetry::metrics::serve(addr).context("serving metrics")?;
+        agentloop_shared::telemetry::metrics::zero_counters(&[
+            ("agentloop_claims_total", &[]),
+            ("agentloop_lease_lost_total", &[]),
+            ("agentloop_lease_renew_failures_total", &[]),
+            ("agentloop_commits_held_total", &[]),
+            ("agentloop_stream_flushes_total", &[]),
+            ("agentloop_webhook_deliveries_failed_total", &[]),
+            ("agentloop_tool_approvals_requested_total", &[]),
+            ("agentloop_tool_approvals_expired_total", &[]),
+            ("agentloop_slices_total", &[("end", "completed")]),
+            ("agentloop_slices_total", &[("end", "failed")]),
+            ("agentloop_slices_total", &[("end", "handback")]),
+            ("agentloop_slices_total", &[("end", "lease_lost")]),
+        ]);
     }
     db::check_url(&config.db.database_url).await?;
     if config.db.migrate_on_start {
