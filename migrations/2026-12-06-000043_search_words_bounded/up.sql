@@ -10,8 +10,8 @@
 -- ~512 KiB of lexemes), with every run of 64 non-whitespace characters cut after its 64th —
 -- linear time (~1 s for 1 MB of the worst case) and always within the tsvector bound. Search
 -- then finds words in a message's first 128 Ki characters; a word inside a run of more than 64
--- non-space characters (a long URL, base64) may be cut in two. Titles (500 characters at most) and search queries (16 words of at most 64 letters or
--- digits, api/src/reads.rs) need no bound.
+-- non-space characters (a long URL, base64) may be cut in two. Titles (500 characters at most)
+-- and search queries (16 words of at most 64 letters or digits, api/src/reads.rs) need no bound.
 
 CREATE OR REPLACE FUNCTION agentloop_search_text(c jsonb) RETURNS text LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 DECLARE
