@@ -1,4 +1,5 @@
-//! Re-runs the embedding of `migrations/` when it changes, and generates the table of
+//! Re-runs the embedding of `migrations/` when it changes, generates the table of every
+//! migration's `up.sql` (for the runner's checksums) and the table of
 //! migrations that run outside a transaction (`metadata.toml` with `run_in_transaction = false`):
 //! `agentloop_shared::db` runs those statement group by statement group (see
 //! `migrations/README.md`), which diesel's own harness cannot do.
@@ -14,8 +15,15 @@ fn main() {
         .unwrap_or_default();
     dirs.sort();
     let mut table = String::from("&[\n");
+    let mut all = String::from("&[\n");
     for dir in dirs {
         println!("cargo:rerun-if-changed={}", dir.display());
+        let Some(name) = dir.file_name().and_then(|n| n.to_str()).map(str::to_owned) else { continue };
+        let up = dir.join("up.sql");
+        if up.is_file() {
+            let up = up.canonicalize().expect("up.sql of a migration");
+            writeln!(all, "    ({name:?}, include_str!({:?})),", up.display().to_string()).expect("write");
+        }
         let metadata = std::fs::read_to_string(dir.join("metadata.toml")).unwrap_or_default();
         let outside = metadata
             .lines()
@@ -24,13 +32,15 @@ fn main() {
         if !outside {
             continue;
         }
-        let name = dir.file_name().and_then(|n| n.to_str()).expect("utf-8 migration name").to_owned();
         let up = dir.join("up.sql").canonicalize().expect("up.sql of a migration");
         let down = dir.join("down.sql").canonicalize().expect("down.sql of a migration");
         writeln!(table, "    ({name:?}, include_str!({:?}), include_str!({:?})),", up.display().to_string(), down.display().to_string())
             .expect("write");
     }
     table.push(']');
-    let out = Path::new(&std::env::var("OUT_DIR").expect("OUT_DIR")).join("outside_transaction.rs");
-    std::fs::write(out, table).expect("write outside_transaction.rs");
+    all.push(']');
+    let out_dir = std::env::var("OUT_DIR").expect("OUT_DIR");
+    let out = Path::new(&out_dir);
+    std::fs::write(out.join("outside_transaction.rs"), table).expect("write outside_transaction.rs");
+    std::fs::write(out.join("all_migrations.rs"), all).expect("write all_migrations.rs");
 }

@@ -283,6 +283,7 @@ impl Application {
         if config.db.migrate_on_start {
             db::run_migrations(&config.db.database_url).await.context("migrating")?;
         }
+        db::require_schema(&config.db.database_url).await?;
         let pool = db::build_pool(&config.db.database_url, config.db.db_pool_size, "agentloop-api", Duration::from_secs(10))?;
         let h = &config.hostile;
         // Per-principal bounds counted in PostgreSQL travel as session settings of the command

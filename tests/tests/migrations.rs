@@ -256,3 +256,50 @@ async fn concurrent_migrators_all_succeed_and_apply_each_migration_once() {
     let dirs = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../migrations")).unwrap().filter(|e| e.as_ref().unwrap().path().is_dir()).count();
     assert_eq!(applied as usize, dirs, "every migration applied once");
 }
+
+/// A database knows which migrations it applied and what they said (acceptance probe M): the
+/// runner records each migration's checksum; a binary whose migration differs from the one the
+/// database applied is refused by `migrate` (before, eleven migrations had been edited in place
+/// and databases first migrated in between kept the old SQL silently — among others, main's
+/// workers ran an `ask` tool without approval on one); a binary whose migrations the database
+/// lacks refuses to `run` (before, a new api started before `migrate` said ready and failed
+/// `/v1` requests after the model was paid); a database newer than the binary is fine.
+#[tokio::test]
+async fn a_changed_or_missing_migration_is_refused_and_a_newer_schema_is_not() {
+    let db = EmptyDb::create().await;
+    let c = connect(&db.url, "check").await;
+    let dirs = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../migrations")).unwrap().filter(|e| e.as_ref().unwrap().path().is_dir()).count();
+    // All but the last: each binary refuses to run, naming what is missing.
+    agentloop_shared::db::run_migrations_up_to(&db.url, dirs - 1).await.unwrap();
+    for binary in ["agentloop-worker", "agentloop-api"] {
+        let out = tokio::time::timeout(
+            Duration::from_secs(30),
+            tokio::process::Command::new(agentloop_tests::bin(binary))
+                .arg("run")
+                .env("DATABASE_URL", &db.url)
+                .env("API_LISTEN", "127.0.0.1:0")
+                .env("MODEL_BASE_URL", "http://127.0.0.1:9/v1")
+                .env("MODEL_NAME", "m")
+                .env("RUST_LOG", "warn")
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{binary} run started on a schema that lacks a migration"))
+        .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success() && text.contains("lacks 1 migration"), "{binary}: {:?}\n{text}", out.status);
+    }
+    // Every applied migration's checksum is recorded.
+    agentloop_shared::db::run_migrations(&db.url).await.unwrap();
+    let recorded: i64 = c.query_one("SELECT count(*) FROM agentloop_migration_checksums WHERE length(sha256) = 64", &[]).await.unwrap().get(0);
+    assert_eq!(recorded as usize, dirs);
+    // A newer release's migration is fine for this binary.
+    c.batch_execute("INSERT INTO __diesel_schema_migrations (version) VALUES ('20991231000001')").await.unwrap();
+    let gap = agentloop_shared::db::schema_gap(&db.url).await.unwrap();
+    assert!(gap.missing.is_empty() && gap.unknown == ["20991231000001"], "{gap:?}");
+    // The database applied another text of a migration than this binary has: refused.
+    c.batch_execute("UPDATE agentloop_migration_checksums SET sha256 = repeat('0', 64) WHERE version = '20261206000039'").await.unwrap();
+    let error = agentloop_shared::db::run_migrations(&db.url).await.unwrap_err().to_string();
+    assert!(error.contains("2026-12-06-000039_fleet_tool_policies differs from the one this database applied"), "{error}");
+}

@@ -63,6 +63,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> anyhow::R
     if config.db.migrate_on_start {
         db::run_migrations(&config.db.database_url).await.context("migrating")?;
     }
+    db::require_schema(&config.db.database_url).await?;
     let application_name = format!("agentloop-worker {worker_id}");
     let timing = Timing { call_timeout: (config.lease / 3).max(Duration::from_secs(1)), retry_for: config.lease / 2 };
     let settings = PoolSettings {
