@@ -104,7 +104,8 @@ impl AssistantTurn {
 /// Messages carry the provider's own error text (at most 500 characters), never the API key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProviderError {
-    /// A non-retryable HTTP error (4xx other than 429, or 5xx other than 500/502/503/504), or an
+    /// A non-retryable HTTP error (4xx other than 408/425/429, or 5xx other than those of
+    /// [`ProviderError::Unavailable`]), or an
     /// `{"error":{...}}` object inside the stream (status = its `code` if that is an HTTP
     /// error status, else 502).
     #[error("model returned HTTP {status}: {message}")]
@@ -112,7 +113,7 @@ pub enum ProviderError {
     /// HTTP 429 on the last allowed attempt.
     #[error("model rate limited (HTTP 429) after retries: {message}")]
     RateLimited { message: String },
-    /// HTTP 500/502/503/504 on the last allowed attempt.
+    /// HTTP 408, 425, 500, 502, 503, 504, 520-524 or 529 on the last allowed attempt.
     #[error("model unavailable (HTTP {status}) after retries: {message}")]
     Unavailable { status: u16, message: String },
     /// Connect failure or timeout (after retries), or the body failing mid-stream (not retried).
@@ -231,8 +232,8 @@ impl ProviderClient {
     /// `on_delta` as they arrive, and returns the assembled turn.
     ///
     /// Sends `model: upstream_name`, `stream: true`, `stream_options: {include_usage: true}`,
-    /// the bearer key if any. Before the body is read, HTTP 429/500/502/503/504, connect
-    /// errors and timeouts are retried with exponential backoff and jitter (500 ms, x2, at
+    /// the bearer key if any. Before the body is read, HTTP 429, the statuses of
+    /// [`ProviderError::Unavailable`], connect errors and timeouts are retried with exponential backoff and jitter (500 ms, x2, at
     /// most 8 s, or the `Retry-After` seconds capped at 30 s); once streaming has begun nothing
     /// is retried. Chunks that are not valid JSON are skipped and counted — unless the answer
     /// has tool calls: a skipped piece could have changed their arguments (a malformed chunk
@@ -392,10 +393,10 @@ impl ProviderClient {
         );
         let (error, retryable) = match status {
             StatusCode::TOO_MANY_REQUESTS => (ProviderError::RateLimited { message }, true),
-            StatusCode::INTERNAL_SERVER_ERROR
-            | StatusCode::BAD_GATEWAY
-            | StatusCode::SERVICE_UNAVAILABLE
-            | StatusCode::GATEWAY_TIMEOUT => (
+            // The server or a proxy in front of it failed or gave up on this attempt, not on the
+            // request: 408 Request Timeout (acceptance probe M, M-5: it failed the run at once),
+            // 425 Too Early, 500, 502, 503, 504, Cloudflare's 520-524 and 529 (overloaded).
+            status if matches!(status.as_u16(), 408 | 425 | 500 | 502 | 503 | 504 | 520..=524 | 529) => (
                 ProviderError::Unavailable {
                     status: status.as_u16(),
                     message,
@@ -1186,6 +1187,18 @@ mod tests {
                 r#"{"choices":[{"delta":{"content":"ok"},"finish_reason":"stop"}]}"#,
                 "[DONE]",
             ]),
+        ])
+        .await;
+        let (result, _) = chat(&ProviderClient::new(), &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap().content, "ok");
+        assert_eq!(seen.lock().unwrap().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn retries_408_then_succeeds() {
+        let (model, seen) = serve(vec![
+            http("408 Request Timeout", "Content-Type: application/json\r\n", r#"{"error":{"message":"timed out"}}"#),
+            sse(&[r#"{"choices":[{"delta":{"content":"ok"},"finish_reason":"stop"}]}"#, "[DONE]"]),
         ])
         .await;
         let (result, _) = chat(&ProviderClient::new(), &model, &ChatRequest::default()).await;
