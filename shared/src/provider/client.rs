@@ -132,11 +132,33 @@ pub enum ProviderError {
     /// deltas: a stream stuck with its connection open.
     #[error("the model sent nothing for {0:?} (MODEL_STREAM_IDLE_MS); the stream was given up")]
     Stalled(Duration),
-    /// The answer (text, reasoning and tool calls) grew past `MODEL_MAX_ANSWER_BYTES`, or the
-    /// stream as read (empty deltas included) past four times that.
+    /// The answer (text, reasoning and tool calls) grew past `MODEL_MAX_ANSWER_BYTES`.
     #[error("the model's answer exceeded {0} bytes (MODEL_MAX_ANSWER_BYTES); the stream was cut")]
     TooLarge(usize),
+    /// The stream as read (every event's data: envelopes and empty deltas included) grew past
+    /// [`WIRE_BYTES_PER_ANSWER_BYTE`] times `MODEL_MAX_ANSWER_BYTES`.
+    #[error("the model's stream exceeded {0} bytes ({WIRE_BYTES_PER_ANSWER_BYTE} x MODEL_MAX_ANSWER_BYTES) before it ended; it was cut")]
+    StreamTooLarge(usize),
+    /// One answer started more than [`MAX_TOOL_CALLS_PER_ANSWER`] tool calls.
+    #[error("the model's answer has more than {MAX_TOOL_CALLS_PER_ANSWER} tool calls; the stream was cut")]
+    TooManyToolCalls,
 }
+
+/// Bytes of stream read per byte of answer allowed (`MODEL_MAX_ANSWER_BYTES`): the stream is
+/// cut past this many times the answer's cap. A provider sends one chunk per token with an
+/// envelope of ~250-320 bytes (id, object, model, fingerprint, `obfuscation` padding, ...), so
+/// the 4 x of before cut a 4 MiB cap at ~53,000 tokens of answer, ~200 KB of text — and threw
+/// that paid answer away (acceptance probe N, N-2); at 64 x the answer's own cap binds first.
+/// What this bounds is the parsing of a stream that carries nothing (empty deltas), not memory:
+/// events are not kept.
+pub const WIRE_BYTES_PER_ANSWER_BYTE: usize = 64;
+
+/// Most tool calls one answer may start; a stream that starts more is cut
+/// ([`ProviderError::TooManyToolCalls`]). Parallel calls of real models number a few to a few
+/// dozen; 40,000 calls in one answer (a prompt injection is enough) took a worker 17 s to
+/// assemble (quadratic), 650 MiB, then minutes of database time and a thread no model could read
+/// again (acceptance probe N, N-5).
+pub const MAX_TOOL_CALLS_PER_ANSWER: usize = 256;
 
 impl ProviderError {
     /// Whether the same request may well succeed later: a rate limit, a 5xx, a connection
@@ -148,7 +170,8 @@ impl ProviderError {
 
     /// Stable snake_case code: `model_http_error`, `model_rate_limited`, `model_unavailable`,
     /// `model_transport_error`, `model_stream_truncated`, `model_malformed_response`,
-    /// `model_stream_stalled`, `model_answer_too_large`.
+    /// `model_stream_stalled`, `model_answer_too_large`, `model_stream_too_large`,
+    /// `model_too_many_tool_calls`.
     pub fn code(&self) -> &'static str {
         match self {
             Self::Http { .. } => "model_http_error",
@@ -159,6 +182,8 @@ impl ProviderError {
             Self::Malformed(_) => "model_malformed_response",
             Self::Stalled(_) => "model_stream_stalled",
             Self::TooLarge(_) => "model_answer_too_large",
+            Self::StreamTooLarge(_) => "model_stream_too_large",
+            Self::TooManyToolCalls => "model_too_many_tool_calls",
         }
     }
 }
@@ -528,9 +553,11 @@ async fn read_stream(
     }
     let mut events = response.bytes_stream().eventsource();
     let mut done = false;
-    // Everything read counts too, at four times the answer's cap: a stream of empty deltas is
-    // no answer but is read all the same (verification probe: 300 MB of empty chunks).
+    // Everything read counts too, at WIRE_BYTES_PER_ANSWER_BYTE times the answer's cap: a
+    // stream of empty deltas is no answer but is read all the same (verification probe: 300 MB
+    // of empty chunks).
     let mut read_bytes = 0usize;
+    let max_read_bytes = max_answer_bytes.saturating_mul(WIRE_BYTES_PER_ANSWER_BYTE);
     // Silence is measured between chunks that carry something (text, reasoning, a tool-call
     // piece, usage, a finish reason): keep-alive comments or empty deltas alone kept a stuck
     // stream going for as long as they came (verification probe).
@@ -547,8 +574,8 @@ async fn read_stream(
             other => ProviderError::Malformed(other.to_string()),
         })?;
         read_bytes += event.data.len();
-        if read_bytes > max_answer_bytes.saturating_mul(4) {
-            return Err(ProviderError::TooLarge(max_answer_bytes));
+        if read_bytes > max_read_bytes {
+            return Err(ProviderError::StreamTooLarge(max_read_bytes));
         }
         let data = event.data.trim();
         if data == "[DONE]" {
@@ -670,6 +697,9 @@ impl Assembly {
             carries = true;
             let named = part.function.as_ref().and_then(|f| f.name.as_deref()).is_some_and(|n| !n.is_empty());
             let position = call_slot(&mut self.calls, part.index, part.id.as_deref(), named);
+            if self.calls.len() > MAX_TOOL_CALLS_PER_ANSWER {
+                return Err(ProviderError::TooManyToolCalls);
+            }
             let slot = &mut self.calls[position];
             if slot.id.is_none() {
                 slot.id = part.id.filter(|id| !id.is_empty());
@@ -1116,11 +1146,40 @@ mod tests {
         let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
         assert_eq!(result.unwrap_err().code(), "model_answer_too_large");
 
-        // Empty deltas are read too: a flood of them is cut at four times the cap.
-        let empty: Vec<&str> = std::iter::repeat_n(r#"{"choices":[{"delta":{}}]}"#, 200).chain(["[DONE]"]).collect();
+        // Empty deltas are read too: a flood of them is cut at WIRE_BYTES_PER_ANSWER_BYTE times
+        // the cap.
+        let empty: Vec<&str> = std::iter::repeat_n(r#"{"choices":[{"delta":{}}]}"#, 3000).chain(["[DONE]"]).collect();
         let (model, _) = serve(vec![sse(&empty)]).await;
         let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
-        assert_eq!(result.unwrap_err().code(), "model_answer_too_large");
+        assert_eq!(result.unwrap_err().code(), "model_stream_too_large");
+
+        // A token per chunk in a provider's envelope: 17 times the answer on the wire (and four
+        // times the cap) for an answer within the cap (acceptance probe N, N-2: cut at four times, the paid answer lost).
+        let envelope = format!(r#"{{"id":"chatcmpl-1","object":"chat.completion.chunk","model":"m","obfuscation":"{}","choices":[{{"index":0,"delta":{{"content":"xxxxxxxxxx"}},"finish_reason":null}}]}}"#, "p".repeat(60));
+        let tokens: Vec<&str> = std::iter::repeat_n(envelope.as_str(), 90).chain([r#"{"choices":[{"delta":{},"finish_reason":"stop"}]}"#, "[DONE]"]).collect();
+        let (model, _) = serve(vec![sse(&tokens)]).await;
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap().content, "x".repeat(900));
+    }
+
+    /// Acceptance probe N, N-5: one answer with 40,000 tool calls took 17 s to assemble
+    /// (quadratic) and 650 MiB; calls past MAX_TOOL_CALLS_PER_ANSWER cut the stream.
+    #[tokio::test]
+    async fn an_answer_with_too_many_tool_calls_is_cut() {
+        let calls: Vec<String> = (0..=MAX_TOOL_CALLS_PER_ANSWER)
+            .map(|i| format!(r#"{{"choices":[{{"delta":{{"tool_calls":[{{"index":{i},"id":"c{i}","function":{{"name":"calculator","arguments":"{{}}"}}}}]}}}}]}}"#))
+            .collect();
+        let mut events: Vec<&str> = calls.iter().map(String::as_str).collect();
+        events.extend([r#"{"choices":[{"delta":{},"finish_reason":"tool_calls"}]}"#, "[DONE]"]);
+        let (model, _) = serve(vec![sse(&events)]).await;
+        let client = ProviderClient::new().with_max_retries(0);
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap_err().code(), "model_too_many_tool_calls");
+        // One fewer is an answer.
+        events.remove(MAX_TOOL_CALLS_PER_ANSWER);
+        let (model, _) = serve(vec![sse(&events)]).await;
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap().tool_calls.len(), MAX_TOOL_CALLS_PER_ANSWER);
     }
 
     /// Verification probe: keep-alive comments (or empty deltas) every second kept a stuck
