@@ -551,7 +551,8 @@ async fn read_stream(
         assembly.apply(chunk, &data, model, on_delta)?;
         return assembly.finish(true);
     }
-    let mut events = response.bytes_stream().eventsource();
+    let mut pending = Vec::new();
+    let mut events = response.bytes_stream().map(move |chunk| chunk.map(|bytes| lossy_utf8(&mut pending, &bytes))).eventsource();
     let mut done = false;
     // Everything read counts too, at WIRE_BYTES_PER_ANSWER_BYTE times the answer's cap: a
     // stream of empty deltas is no answer but is read all the same (verification probe: 300 MB
@@ -598,6 +599,42 @@ async fn read_stream(
         }
     }
     assembly.finish(done)
+}
+
+/// `bytes` (the next read of a stream; `pending` holds what the previous read left) as UTF-8:
+/// every invalid sequence becomes U+FFFD, and a sequence cut at the end of the read is kept in
+/// `pending` for the next. The SSE decoder failed the whole stream on one invalid byte — the
+/// run failed `model_malformed_response` and the answer, paid for, was lost (acceptance probe
+/// N, N-3; local servers stream byte-fallback tokens as partial UTF-8).
+fn lossy_utf8(pending: &mut Vec<u8>, bytes: &[u8]) -> Vec<u8> {
+    pending.extend_from_slice(bytes);
+    let mut out = Vec::with_capacity(pending.len());
+    let mut rest: &[u8] = pending;
+    loop {
+        match std::str::from_utf8(rest) {
+            Ok(valid) => {
+                out.extend_from_slice(valid.as_bytes());
+                rest = &[];
+                break;
+            }
+            Err(e) => {
+                let (valid, after) = rest.split_at(e.valid_up_to());
+                out.extend_from_slice(valid);
+                match e.error_len() {
+                    Some(bad) => {
+                        out.extend_from_slice(char::REPLACEMENT_CHARACTER.to_string().as_bytes());
+                        rest = &after[bad..];
+                    }
+                    None => {
+                        rest = after;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    *pending = rest.to_vec();
+    out
 }
 
 /// The body of a non-streamed answer, at most `max_bytes` (else
@@ -1160,6 +1197,37 @@ mod tests {
         let (model, _) = serve(vec![sse(&tokens)]).await;
         let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
         assert_eq!(result.unwrap().content, "x".repeat(900));
+    }
+
+    /// Acceptance probe N, N-3: invalid UTF-8 in a stream is replaced, not fatal; a character
+    /// cut between two reads is whole.
+    #[tokio::test]
+    async fn invalid_utf8_in_a_stream_is_replaced_and_a_cut_character_joined() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let model = model(&format!("http://{}/v1", listener.local_addr().unwrap()));
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            read_request(&mut socket).await;
+            let mut body = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Type: text/event-stream\r\n\r\n".to_vec();
+            body.extend_from_slice(b"data: {\"choices\":[{\"delta\":{\"content\":\"bad \xff\xfe, \xe2\x82");
+            let cut = body.len();
+            body.extend_from_slice(b"\xac ok\"}}]}\n\ndata: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n");
+            socket.write_all(&body[..cut]).await.unwrap();
+            socket.flush().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            socket.write_all(&body[cut..]).await.unwrap();
+            let _ = socket.shutdown().await;
+        });
+        let (result, _) = chat(&ProviderClient::new().with_max_retries(0), &model, &ChatRequest::default()).await;
+        assert_eq!(result.unwrap().content, "bad \u{FFFD}\u{FFFD}, \u{20AC} ok");
+    }
+
+    #[test]
+    fn lossy_utf8_keeps_a_cut_sequence_for_the_next_read() {
+        let mut pending = Vec::new();
+        assert_eq!(lossy_utf8(&mut pending, b"a\xe2\x82"), b"a");
+        assert_eq!(lossy_utf8(&mut pending, b"\xacb\xff"), "\u{20AC}b\u{FFFD}".as_bytes());
+        assert!(pending.is_empty());
     }
 
     /// Acceptance probe N, N-5: one answer with 40,000 tool calls took 17 s to assemble
