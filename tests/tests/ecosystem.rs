@@ -1155,3 +1155,34 @@ mod mcp {
         assert!(out.contains("passed, 0 failed"), "{out}");
     }
 }
+
+/// A streamed answer longer than the live event bound (`LIVE_EVENT_MAX_BYTES`, 64 KiB) ends
+/// with its last chunk and `[DONE]`, its text whole: every such answer ended `stream_restarted`
+/// after almost all of its text, because the committed message came slimmed and was taken for
+/// a restarted answer (acceptance probe N, N-10) — the paid answer out of the caller's reach.
+#[tokio::test]
+async fn openai_a_streamed_answer_longer_than_a_live_event_ends_whole() {
+    let stack = Stack::start("ecosystem_long_stream", StackOptions::default()).await.unwrap();
+    for (text, repeat, delay) in [("abc ", 17_500, 1), ("x", 100_000, 0)] {
+        let body = json!({"model": "mock", "stream": true,
+                          "messages": [{"role": "user", "content": script(json!([{"text": text, "repeat": repeat, "chunkDelayMs": delay}]))}]});
+        let resp = reqwest::Client::new().post(format!("{}/v1/chat/completions", stack.api_url)).bearer_auth(&stack.key).json(&body).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let raw = tokio::time::timeout(Duration::from_secs(60), resp.text()).await.expect("the stream ended").unwrap();
+        let mut content = String::new();
+        let mut done = false;
+        for data in raw.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if data == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let chunk: Value = serde_json::from_str(data).unwrap();
+            assert!(chunk.get("error").is_none(), "{chunk}");
+            if let Some(piece) = chunk.pointer("/choices/0/delta/content").and_then(Value::as_str) {
+                content.push_str(piece);
+            }
+        }
+        assert!(done, "[DONE] at the end");
+        assert_eq!(content, text.repeat(repeat), "the whole answer, once");
+    }
+}

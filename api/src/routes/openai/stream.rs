@@ -33,6 +33,17 @@ use super::hidden::HiddenRequest;
 use crate::AppState;
 use crate::routes::updates::Batch;
 
+/// Assistant message `sequence` of the hidden thread as the journal would carry it whole.
+async fn whole_message(pool: &agentloop_shared::db::PgPool, thread_id: uuid::Uuid, sequence: Option<i64>) -> anyhow::Result<Value> {
+    let sequence = sequence.ok_or_else(|| anyhow::anyhow!("the slimmed message has no sequence"))?;
+    let mut conn = pool.get().await?;
+    let message = agentloop_shared::messages::active_in_range(&mut conn, thread_id, sequence, sequence)
+        .await?
+        .pop()
+        .ok_or_else(|| anyhow::anyhow!("message {sequence} is not there"))?;
+    Ok(serde_json::to_value(&message)?)
+}
+
 /// Builds the chunks of one completion.
 pub struct Chunker {
     /// `chatcmpl-<run id>`.
@@ -100,6 +111,10 @@ struct Text {
     sent: String,
     /// Some text of an earlier model call was sent (the next call's text starts with a blank line).
     any: bool,
+    /// A streaming event of the current model call came slimmed (its delta cut to the live
+    /// event bound): `partial` is not the journal's any more, so the call's later deltas are
+    /// left for its committed message.
+    stale: bool,
 }
 
 enum Progress {
@@ -131,6 +146,7 @@ impl Text {
     fn end_call(&mut self) {
         self.partial.clear();
         self.sent.clear();
+        self.stale = false;
     }
 }
 
@@ -173,16 +189,42 @@ pub async fn pump(state: web::Data<AppState>, request: HiddenRequest, chunker: C
         };
         let full_batch = events.len() as i64 == crate::routes::updates::BATCH;
         for event in events {
-            cursor = event.sequence;
-            let p = &event.payload;
+            let mut whole = None;
+            let mut p = &event.payload;
             let mine = p.get("runId").and_then(Value::as_str) == Some(run_id.as_str());
+            // A live event larger than LIVE_EVENT_MAX_BYTES comes slimmed (`truncated`): an
+            // assistant message is read again whole; its text was taken for a restarted answer
+            // and every answer over 64 KiB ended `stream_restarted` (acceptance probe N, N-10).
+            if mine && event.kind == kind::MESSAGE && p.get("truncated") == Some(&Value::Bool(true)) {
+                match whole_message(&state.pool, thread_id, p.get("sequence").and_then(Value::as_i64)).await {
+                    Ok(message) => whole = Some(message),
+                    Err(error) => {
+                        tracing::warn!(%error, "reading a slimmed message for an OpenAI stream failed; retrying");
+                        tokio::select! {
+                            _ = tokio::time::sleep(Duration::from_millis(500)) => continue 'outer,
+                            _ = tx.closed() => return,
+                        }
+                    }
+                }
+            }
+            if let Some(message) = &whole {
+                p = message;
+            }
+            cursor = event.sequence;
             let progress = match event.kind.as_str() {
                 kind::STREAMING if mine => {
-                    if let (Some(offset), Some(delta)) = (p.get("offset").and_then(Value::as_u64), p.get("delta").and_then(Value::as_str)) {
-                        agentloop_shared::streaming::apply_delta(&mut text.partial, offset as usize, delta);
+                    if p.get("truncated") == Some(&Value::Bool(true)) {
+                        text.stale = true;
                     }
-                    let partial = text.partial.clone();
-                    Some(text.advance(&partial))
+                    if text.stale {
+                        None
+                    } else {
+                        if let (Some(offset), Some(delta)) = (p.get("offset").and_then(Value::as_u64), p.get("delta").and_then(Value::as_str)) {
+                            agentloop_shared::streaming::apply_delta(&mut text.partial, offset as usize, delta);
+                        }
+                        let partial = text.partial.clone();
+                        Some(text.advance(&partial))
+                    }
                 }
                 kind::MESSAGE if mine && p.get("role").and_then(Value::as_str) == Some(role::ASSISTANT) => {
                     let progress = text.advance(&content_text(&p["content"]));
