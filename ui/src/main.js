@@ -2,7 +2,7 @@
 // script or handler anywhere (listeners only), so a strict Content-Security-Policy holds.
 
 import './style.css';
-import { $, $$, h, icon, sleep, fmt, shortTime, fullTime, duration, dayGroup, textOf, prettyArgs, oneLine, roughTokens, copyText } from './util.js';
+import { $, $$, h, icon, sleep, fmt, shortTime, fullTime, duration, dayGroup, textOf, prettyArgs, oneLine, roughTokens, copyText, tame } from './util.js';
 import { api, auth, download, resume, signIn, signOut, loopbackAvailable, dbListeners } from './api.js';
 import { setMarkdown, highlight } from './markdown.js';
 
@@ -591,7 +591,7 @@ async function loadWhole(V, m) {
 
 function fillSlot(slot, m) {
   const card = slot.closest('.call');
-  slot.textContent = textOf(m.content) || '(empty result)';
+  slot.textContent = tame(textOf(m.content)) || '(empty result)';
   slot.className = 'result';
   slot.setAttribute('data-testid', 'message');
   slot.setAttribute('data-role', 'tool');
@@ -628,7 +628,7 @@ function renderMessage(V, m) {
     if (m.reasoning) node.append(h('details', {class: 'reasoning'}, h('summary', {text: 'Thought process'}), h('pre', {text: m.reasoning})));
     if (txt) {
       const bubble = h('div', {class: 'bubble' + (m.role === 'assistant' ? ' md' : '')});
-      if (m.role === 'assistant') setMarkdown(bubble, txt); else bubble.textContent = txt;
+      if (m.role === 'assistant') setMarkdown(bubble, txt); else bubble.textContent = tame(txt);
       node.append(bubble);
     }
     if (m.truncated) node.append(h('div', {class: 'note', 'data-testid': 'shortened', text: '(long message: shortened here — export the chat to read it whole)'}));
@@ -1011,7 +1011,7 @@ function renderStream() {
     bubble.hidden = !s.content && !!s.reasoning;
     const rd = box.querySelector('details');
     rd.hidden = !s.reasoning;
-    rd.querySelector('pre').textContent = s.reasoning;
+    rd.querySelector('pre').textContent = tame(s.reasoning);
   });
 }
 
@@ -1022,11 +1022,11 @@ function renderHeader() {
   const entry = V && S.threads.find(x => x.id === V.id);
   const title = V ? threadTitle(t, first ? {text: textOf(first.content)} : entry && entry.preview) : 'New chat';
   const btn = $('#title');
-  if (btn) btn.textContent = title;
+  if (btn) btn.textContent = tame(title);
   document.title = V ? title + ' · agentloop' : 'agentloop';
   const pid = t && t.parentThreadId, link = $('#parent-link');
   link.hidden = !pid;
-  if (pid) { link.href = '#' + pid; link.textContent = '↖ compacted from ' + parentTitle(pid); }
+  if (pid) { link.href = '#' + pid; link.textContent = tame('↖ compacted from ' + parentTitle(pid)); }
   $('#compact').hidden = !V;
   $('#export-btn').hidden = !V;
   $('#settings-btn').hidden = !V;

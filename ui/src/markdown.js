@@ -8,6 +8,7 @@
 // MARKDOWN_MAX_CHARS are shown as plain text all the same.
 
 import MarkdownIt from 'markdown-it';
+import { tame } from './util.js';
 import DOMPurify from 'dompurify';
 import hljs from 'highlight.js/lib/core';
 import bash from 'highlight.js/lib/languages/bash';
@@ -33,11 +34,22 @@ for (const [name, lang] of Object.entries(LANGS)) hljs.registerLanguage(name, la
 
 const escape = s => s.replace(/[&<>"']/g, ch => ({'&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;'}[ch]));
 
-/** Highlighted HTML of `code` (escaped, hljs spans only). */
+/**
+ * Longest code highlighted with its named language, and without one (detection tries every
+ * grammar), in characters; longer code is shown plain. highlight.js takes time quadratic in a
+ * long run without a token break in several grammars: 25,000 `$` as Java 7.3 s, 60,000 froze
+ * the tab for 57 s; detection of 19,999 `a` 7.5 s (acceptance probe N, N-6). At these bounds the
+ * worst of 24 repeated patterns in each of the 17 grammars took ~0.35 s (node, this machine).
+ */
+export const HIGHLIGHT_MAX_CHARS = 4000;
+export const DETECT_MAX_CHARS = 1500;
+
+/** Highlighted HTML of `code` (escaped, hljs spans only); plain past the bounds above. */
 export function highlight(code, lang) {
   try {
-    if (lang && hljs.getLanguage(lang)) return hljs.highlight(code, {language: lang, ignoreIllegals: true}).value;
-    if (code.length < 20000) return hljs.highlightAuto(code).value;
+    if (lang && hljs.getLanguage(lang)) {
+      if (code.length <= HIGHLIGHT_MAX_CHARS) return hljs.highlight(code, {language: lang, ignoreIllegals: true}).value;
+    } else if (code.length <= DETECT_MAX_CHARS) return hljs.highlightAuto(code).value;
   } catch (_) { /* plain below */ }
   return escape(code);
 }
@@ -94,7 +106,7 @@ const plain = text => '<p class="plain">' + escape(text) + '</p>';
 
 /** Sanitised HTML of Markdown `text` (plain text past MARKDOWN_MAX_CHARS or if parsing fails). */
 export function renderMarkdown(text) {
-  text = text || '';
+  text = tame(text || '');
   let html;
   if (text.length > MARKDOWN_MAX_CHARS) html = plain(text);
   else try { html = md.render(text); } catch (_) { html = plain(text); }

@@ -131,6 +131,9 @@ struct Step {
     /// repetition's number from 0 (a huge answer, of distinct words if wanted, without a huge
     /// script in the user's message); about [`MAX_REPEAT_BYTES`] at most.
     repeat: Option<usize>,
+    /// Text before and after the repeated `text` (with `repeat` only).
+    prefix: Option<String>,
+    suffix: Option<String>,
     /// Tool calls of this turn, in order.
     #[serde(default)]
     tool_calls: Vec<ToolCallSpec>,
@@ -428,6 +431,10 @@ fn scripted_reply(
             }
             Some(n) if !text.is_empty() => text.repeat(n.min(MAX_REPEAT_BYTES / text.len())),
             _ => text,
+        })
+        .map(|text| match step.repeat {
+            Some(_) => format!("{}{text}{}", step.prefix.as_deref().unwrap_or(""), step.suffix.as_deref().unwrap_or("")),
+            None => text,
         })
         .unwrap_or_default();
     let tool_calls = step
