@@ -429,4 +429,13 @@ async fn any_text_is_stored_and_searched_in_linear_time() {
     assert_eq!(r.status, 201, "{:?}", r.body);
     let found = c.get("/api/search?q=firstneedle").await.unwrap();
     assert_eq!(found.body["messages"][0]["threadId"], r.body["thread"]["id"], "{found:?}");
+
+    // A snippet is cut from around the first match (migration 000045: the whole search text of
+    // every hit was parsed again for it), so a match deep in a long message is still shown.
+    let deep = format!("{}deepneedle is here {}", "x ".repeat(50_000), "y ".repeat(5_000));
+    let r = c.post("/api/threads/import", json!({"messages": [{"role": "user", "content": deep}]})).await.unwrap();
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let found = c.get("/api/search?q=deepneedle").await.unwrap();
+    let snippet = found.body["messages"][0]["snippet"].as_str().unwrap_or_default();
+    assert!(snippet.contains("\u{2}deepneedle\u{3} is here") && snippet.len() < 1000, "{found:?}");
 }
