@@ -195,13 +195,11 @@ struct Applied {
 
 /// Versions in `__diesel_schema_migrations` (none when the table does not exist yet).
 async fn applied_versions(conn: &mut AsyncPgConnection) -> Result<Vec<String>, DbError> {
-    Ok(diesel::sql_query(
-        "SELECT version::text AS version FROM __diesel_schema_migrations WHERE to_regclass('__diesel_schema_migrations') IS NOT NULL",
-    )
+    Ok(diesel::sql_query("SELECT version::text AS version FROM __diesel_schema_migrations")
     .load::<Applied>(conn)
     .await
     .or_else(|e| match e {
-        // The table does not exist: the query still names it, so PostgreSQL refuses to plan it.
+        // A database no migration has touched yet (diesel creates the table).
         diesel::result::Error::DatabaseError(_, ref info) if info.message().contains("does not exist") => Ok(Vec::new()),
         e => Err(e),
     })?

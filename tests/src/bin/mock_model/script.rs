@@ -419,22 +419,11 @@ fn scripted_reply(
             .replace("{{tool_result}}", &conversation.last_tool_result())
         })
         .map(|text| match step.repeat {
-            Some(n) if text.contains("{{n}}") => {
-                let mut all = String::new();
-                for i in 0..n {
-                    all.push_str(&text.replace("{{n}}", &i.to_string()));
-                    if all.len() > MAX_REPEAT_BYTES {
-                        break;
-                    }
-                }
-                all
-            }
-            Some(n) if !text.is_empty() => text.repeat(n.min(MAX_REPEAT_BYTES / text.len())),
-            _ => text,
-        })
-        .map(|text| match step.repeat {
-            Some(_) => format!("{}{text}{}", step.prefix.as_deref().unwrap_or(""), step.suffix.as_deref().unwrap_or("")),
             None => text,
+            Some(n) => {
+                let body = repeat_text(&text, n);
+                format!("{}{body}{}", step.prefix.as_deref().unwrap_or(""), step.suffix.as_deref().unwrap_or(""))
+            }
         })
         .unwrap_or_default();
     let tool_calls = step
@@ -468,6 +457,25 @@ fn scripted_reply(
         usage: step.usage.unwrap_or_default(),
         finish_reason: step.finish_reason,
     }
+}
+
+/// `text` `n` times over, joined by nothing, `{{n}}` replaced by the repetition's number from 0;
+/// about [`MAX_REPEAT_BYTES`] at most.
+fn repeat_text(text: &str, n: usize) -> String {
+    if text.is_empty() {
+        return String::new();
+    }
+    if !text.contains("{{n}}") {
+        return text.repeat(n.min(MAX_REPEAT_BYTES / text.len()));
+    }
+    let mut all = String::new();
+    for i in 0..n {
+        all.push_str(&text.replace("{{n}}", &i.to_string()));
+        if all.len() > MAX_REPEAT_BYTES {
+            break;
+        }
+    }
+    all
 }
 
 /// The step to play: one per `assistant` message after the user message, except that a step
