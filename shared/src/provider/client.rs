@@ -758,7 +758,8 @@ impl Assembly {
 
     /// The assembled turn; `done` is whether the stream ended with `[DONE]` (or was a whole
     /// JSON answer). Errors: [`ProviderError::Truncated`] (neither `[DONE]` nor a finish
-    /// reason), [`ProviderError::Malformed`] (unreadable chunks in an answer with tool calls).
+    /// reason), [`ProviderError::Malformed`] (unreadable chunks in an answer with tool calls, or
+    /// in an answer of which nothing else could be read).
     fn finish(mut self, done: bool) -> Result<AssistantTurn, ProviderError> {
         if !done && self.turn.finish_reason.is_none() {
             return Err(ProviderError::Truncated);
@@ -766,6 +767,14 @@ impl Assembly {
         if self.turn.malformed_chunks > 0 && !self.calls.is_empty() {
             return Err(ProviderError::Malformed(format!(
                 "{} stream chunk(s) could not be read in a response with tool calls: their arguments cannot be trusted, so none runs",
+                self.turn.malformed_chunks
+            )));
+        }
+        if self.turn.malformed_chunks > 0 && self.calls.is_empty() && self.turn.content.is_empty() && self.turn.reasoning.as_deref().is_none_or(str::is_empty) {
+            // Nothing of the answer could be read: "completed" with an empty answer would hide
+            // that the provider's answer was lost (acceptance probe N, N-4).
+            return Err(ProviderError::Malformed(format!(
+                "none of the answer could be read: {} stream chunk(s) were not chat-completion JSON",
                 self.turn.malformed_chunks
             )));
         }
@@ -1139,6 +1148,8 @@ mod tests {
                 r#"{"choices":[{"delta":{},"finish_reason":"tool_calls"}]}"#,
                 "[DONE]",
             ]),
+            // Every piece of text unreadable: no answer, not an empty one (N-4).
+            sse(&["{\"choices\":[{\"delta\":{\"content\":\"Hel", "{not json", r#"{"choices":[{"delta":{},"finish_reason":"stop"}]}"#, "[DONE]"]),
         ])
         .await;
         let client = ProviderClient::new().with_max_retries(0);
@@ -1158,6 +1169,9 @@ mod tests {
                 ("call_y".to_owned(), "fx_ok".to_owned(), r#"{"amount":15}"#.to_owned())
             ]
         );
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        let error = result.unwrap_err();
+        assert_eq!(error.code(), "model_malformed_response", "{error}");
     }
 
     /// Acceptance probe: a stream that sent a few chunks and then nothing, its connection open,
