@@ -300,8 +300,9 @@ impl Application {
                 max_size: config.db_command_pool_size,
                 wait_timeout: Duration::from_secs(5),
             },
-            // The call waits 2 s past the statement timeout, so a command PostgreSQL cancelled
-            // for its time (57014: certainly not committed) is answered as such — 503
+            // The call waits 2 s past the statement timeout, then cancels its statement and
+            // waits for the answer (`store::CANCEL_GRACE`), so a command PostgreSQL cancelled
+            // (57014: certainly not committed) is answered as such — 503
             // `database_unavailable` — instead of `outcome_unknown` (acceptance probe N, N-1:
             // a 15 MB import that took PostgreSQL over 10 s answered "may or may not have taken
             // effect", and a client retrying with its key paid the 10 s again each time).

@@ -243,10 +243,14 @@ async fn step_functions_are_planned_once_per_session() {
     assert!(planned[runs - 4..].iter().all(|n| *n <= 1), "statements re-planned on every run: {planned:?}");
 }
 
-/// A statement whose caller gave up stops (`agentloop_shared::db::CLIENT_CHECK_MS`): a store
-/// call that times out drops its connection, and the server stops the statement within about a
-/// second instead of running it on to `statement_timeout` — calls retried against a slow server
-/// used to pile up there.
+/// A statement whose caller gave up stops, and the caller knows it did not commit: a store call
+/// that times out cancels its statement and waits for the answer (`CANCEL_GRACE`), so the
+/// outcome is a definite "not committed" (57014, retried until the deadline, then
+/// `Unavailable`), not "unknown" — a 12 MB import whose encoding and sending took part of the
+/// api's 12 s while PostgreSQL's 10 s had not run out answered "may or may not have taken
+/// effect". Before the cancel, the server stopped such a statement only once it noticed the
+/// dropped connection (`agentloop_shared::db::CLIENT_CHECK_MS`), instead of running it on to
+/// `statement_timeout` — calls retried against a slow server used to pile up there.
 #[tokio::test]
 async fn a_statement_whose_caller_gave_up_stops() {
     use agentloop_shared::store::{PoolSettings, Replay, Store, StoreError, Timing};
@@ -265,8 +269,10 @@ async fn a_statement_whose_caller_gave_up_stops() {
         wait_timeout: Duration::from_secs(5),
     };
     let store = Store::new(&settings, Timing { call_timeout: Duration::from_millis(500), retry_for: Duration::from_millis(400) }).unwrap();
+    let called = Instant::now();
     let err = store.call("test_slow_step", &json!({}), Replay::Unsafe, None).await.unwrap_err();
-    assert!(matches!(err, StoreError::OutcomeUnknown(_)), "{err:?}");
+    assert!(matches!(err, StoreError::Unavailable(_)), "a cancelled statement is a known outcome: {err:?}");
+    assert!(called.elapsed() < Duration::from_secs(3), "answered {:?} after the call", called.elapsed());
     let gave_up = Instant::now();
     loop {
         let running: i64 = admin

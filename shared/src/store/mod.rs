@@ -60,11 +60,17 @@ pub enum StoreError {
     Deterministic { sqlstate: String, message: String },
 }
 
+/// How long a call that outlived its timeout is waited for after its cancel request was sent
+/// ([`Store`]'s `attempt`): the server answers a cancelled statement at its next interrupt check,
+/// well within this unless it is unreachable.
+pub const CANCEL_GRACE: Duration = Duration::from_secs(2);
+
 /// Timing of [`Store`] calls.
 #[derive(Debug, Clone, Copy)]
 pub struct Timing {
-    /// Longest wait for one attempt's answer; then its connection is discarded and the outcome
-    /// is unknown.
+    /// Longest wait for one attempt's answer; then the statement is cancelled and waited for
+    /// [`CANCEL_GRACE`] more before its outcome is taken as unknown (and its connection
+    /// discarded).
     pub call_timeout: Duration,
     /// Default deadline for a call's retries (commands); worker steps pass their own.
     pub retry_for: Duration,
@@ -191,20 +197,43 @@ impl Store {
         }
     }
 
-    /// One attempt: a connection from the pool, then the call under the call timeout. A
-    /// connection whose call failed without a server answer (or timed out), or was refused as
-    /// read-only, is discarded.
+    /// One attempt: a connection from the pool, then the call under the call timeout. A call
+    /// that has not answered by then is cancelled (PostgreSQL's cancel request, on a connection
+    /// of its own) and waited for [`CANCEL_GRACE`] more: a statement that then answers — with
+    /// its result, or cancelled (57014: certainly not committed) — has a known outcome; only a
+    /// server that stays silent leaves it unknown. The call timeout counts from before the
+    /// argument is encoded and sent, PostgreSQL's `statement_timeout` from when the statement
+    /// starts, so a large argument or a slow client could see its own timeout first although
+    /// the server would cancel soon after (a 12 MB import under load answered "may or may not
+    /// have taken effect"). A connection whose call failed without a server answer (or stayed
+    /// silent), or was refused as read-only, is discarded.
     async fn attempt(&self, function: &'static str, arg: &Value, defer: bool) -> Result<Value, Fault> {
         let mut conn = self.pool.get().await.map_err(|e| fault::classify_pool(&e))?;
-        match tokio::time::timeout(self.timing.call_timeout, conn.call_json(function, arg, defer)).await {
-            Ok(Ok(outcome)) => {
+        let cancel = conn.client().cancel_token();
+        let answer = {
+            let call = conn.call_json(function, arg, defer);
+            tokio::pin!(call);
+            match tokio::time::timeout(self.timing.call_timeout, &mut call).await {
+                Ok(answer) => Some(answer),
+                Err(_) => {
+                    metrics::counter!("agentloop_store_cancels_total", "function" => function).increment(1);
+                    let grace = async {
+                        let _ = cancel.cancel_query(tokio_postgres::NoTls).await;
+                        (&mut call).await
+                    };
+                    tokio::time::timeout(CANCEL_GRACE, grace).await.ok()
+                }
+            }
+        };
+        match answer {
+            Some(Ok(outcome)) => {
                 if let Some(unsent) = outcome.unsent {
                     drop(deadpool::managed::Object::take(conn));
                     self.send_unsent(function, &unsent).await;
                 }
                 Ok(outcome.value)
             }
-            Ok(Err(error)) => {
+            Some(Err(error)) => {
                 let fault = fault::classify(&error);
                 // A session that refused a write as read-only (25006) may stay read-only (it
                 // reached a standby, or a primary demoted by a failover): never reuse it.
@@ -214,9 +243,13 @@ impl Store {
                 }
                 Err(fault)
             }
-            Err(_) => {
+            None => {
                 drop(deadpool::managed::Object::take(conn));
-                Err(Fault::Unknown(format!("no answer within {} ms", self.timing.call_timeout.as_millis())))
+                Err(Fault::Unknown(format!(
+                    "no answer within {} ms, nor {} ms after a cancel request",
+                    self.timing.call_timeout.as_millis(),
+                    CANCEL_GRACE.as_millis()
+                )))
             }
         }
     }
