@@ -1,6 +1,7 @@
 //! `bench-hostile`: memory of the api and the worker under hostile clients and tools (issue 10
 //! point 1). Prints RSS at start, peak and after the clients (or tools) are gone, with the
-//! targets: api peak ≤ 150 MiB and back within 20% of its start; the same for the worker.
+//! targets: api peak ≤ 150 MiB and back within 20% of its start; the same for the worker. Then
+//! four concurrent exports of threads of 12 MB each: the api's peak grows by ≤ 64 MiB.
 //!
 //! ```text
 //! cargo build --release --workspace
@@ -27,10 +28,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use agentloop_tests::{Client, Stack, StackOptions, script};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Parser;
 use futures_util::StreamExt;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(Debug, Parser)]
@@ -210,6 +211,7 @@ async fn api_phase(args: &Args) -> Result<bool> {
         chats.iter().filter(|r| matches!(r, Ok(413))).count(),
         rss_mib(pid)
     );
+
     let peak = sampler.peak();
 
     drop(streams);
@@ -232,7 +234,52 @@ async fn api_phase(args: &Args) -> Result<bool> {
     let metrics = reqwest::get(format!("{}/metrics", stack.api_url)).await?.text().await?;
     let cached = metrics.lines().find(|l| l.starts_with("agentloop_hub_cached_bytes")).unwrap_or("agentloop_hub_cached_bytes ?");
     println!("  clients gone: {cached}; {}", allocator_line(&stack.api_url).await);
-    Ok(verdict("api", start, peak, after))
+    let steady = verdict("api", start, peak, after);
+
+    // Exports of threads of large messages (acceptance probe N, N-11: an export read up to 200
+    // messages per page whatever their size, so a thread of large messages was one page in the
+    // api's memory, several times over). Four principals import a thread of 48 messages of 243 KB
+    // of prose (a message must fit the mock model's context), then export it at once, reading at ~4 MB/s.
+    let mut big = Vec::new();
+    let prose = "lorem ipsum dolor sit amet ".repeat(9000);
+    for p in 1..5 {
+        let c = principals[p].clone();
+        let messages: Vec<Value> = (0..48)
+            .map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("{i} {prose}")}))
+            .collect();
+        let r = c.post("/api/threads/import", json!({"format": "agentloop.thread.v1", "thread": {"title": "big"}, "messages": messages})).await?;
+        anyhow::ensure!(r.status == 201, "import: {} {}", r.status, r.body.to_string().chars().take(300).collect::<String>());
+        big.push((c, r.body["thread"]["id"].as_str().context("imported thread id")?.to_owned()));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before_exports = rss_mib(pid);
+    let export_sampler = Sampler::start(pid);
+    let exports = big.into_iter().map(|(c, thread)| async move {
+        let response = c.http.get(format!("{}/api/threads/{thread}/export", c.base)).bearer_auth(c.key.clone().unwrap_or_default()).send().await?;
+        anyhow::ensure!(response.status() == 200, "export: {}", response.status());
+        let mut body = response.bytes_stream();
+        let (mut n, mut paced) = (0usize, 0usize);
+        while let Some(chunk) = body.next().await {
+            n += chunk?.len();
+            if n - paced >= 256 * 1024 {
+                paced = n;
+                tokio::time::sleep(Duration::from_millis(60)).await; // ~4 MB/s
+            }
+        }
+        Ok::<_, anyhow::Error>(n)
+    });
+    let sizes = futures_util::future::join_all(exports).await.into_iter().collect::<Result<Vec<_>>>()?;
+    let export_peak = export_sampler.peak();
+    drop(export_sampler);
+    let growth = export_peak - before_exports;
+    println!(
+        "  4 exports of threads of 48 x 243 KB ({:.1} MB each, read at ~4 MB/s): RSS before {before_exports:.1} MiB, peak {export_peak:.1} MiB (+{growth:.1})",
+        sizes.iter().sum::<usize>() as f64 / 4e6,
+    );
+    // Each export holds about one page (at most 4 MiB of stored text) and its encoding.
+    let exports_ok = growth <= 64.0;
+    println!("    export peak growth ≤ 64 MiB: {}", if exports_ok { "PASS" } else { "FAIL" });
+    Ok(steady && exports_ok)
 }
 
 /// A hostile HTTP receiver for HTTP tools and a raw MCP endpoint: `/huge` 256 MiB, `/endless`

@@ -1,11 +1,8 @@
 //! `GET /api/threads/{id}/export?format=json|markdown` (CONTRACTS.md "Thread export JSON").
 
 use actix_web::{HttpResponse, web};
-use agentloop_shared::db::schema::messages as m;
-use agentloop_shared::messages::Message;
+use agentloop_shared::messages::{self, Message};
 use agentloop_shared::threads::{self, Thread};
-use diesel::prelude::*;
-use diesel_async::RunQueryDsl;
 use futures_util::StreamExt;
 use serde_json::{Map, Value, json};
 use uuid::Uuid;
@@ -14,8 +11,13 @@ use crate::AppState;
 use crate::error::ApiError;
 use crate::extract::Authenticated;
 
-/// Messages read per page while the export streams (bounds the api's memory per export).
+/// Most messages read per page while the export streams.
 const PAGE: i64 = 200;
+
+/// Most stored bytes (`messages.byte_size`) of one page, unless its first message alone is
+/// larger: the api holds about one page (and its encoding) per export, whatever the thread
+/// holds (acceptance probe N, N-11: a thread of 150 messages of 2 MB was one 300 MB page).
+const PAGE_BYTES: usize = 4 << 20;
 
 /// Query: `format` = `json` (default) or `markdown`.
 #[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
@@ -73,8 +75,8 @@ pub struct ThreadExport {
 
 /// The thread's active branch in `sequence` order, as an attachment: JSON (the
 /// `agentloop.thread.v1` document CONTRACTS.md fixes, which `POST /api/threads/import` accepts)
-/// or a Markdown transcript (`text/markdown`). Streamed in pages of 200 messages, so a long
-/// thread costs the api one page of memory. 200; 400 `invalid_format`; 404.
+/// or a Markdown transcript (`text/markdown`). Streamed in pages of at most 200 messages and
+/// 4 MiB of stored text (or one larger message), so a long thread costs the api one page of memory. 200; 400 `invalid_format`; 404.
 #[utoipa::path(
     get, path = "/api/threads/{id}/export", tag = "threads", operation_id = "export_thread",
     params(("id" = Uuid, Path, description = "Thread id"), ExportQuery),
@@ -128,21 +130,27 @@ pub async fn export_thread(
             let after = cursor?;
             let page: Result<Vec<Message>, ApiError> = async {
                 let mut conn = pool.get().await?;
-                Ok(m::table
-                    .filter(m::thread_id.eq(thread_id))
-                    .filter(m::active.eq(true))
-                    .filter(m::sequence.gt(after))
-                    .order(m::sequence.asc())
-                    .limit(PAGE)
-                    .select(Message::as_select())
-                    .load(&mut conn)
-                    .await?)
+                // The next messages up to PAGE_BYTES of stored size (at least one): a page's
+                // memory follows this bound, not how large the thread's messages are.
+                let metas = messages::active_meta_between(&mut conn, thread_id, Some(after), None, false, PAGE).await?;
+                let Some(first) = metas.first().map(|m| m.sequence) else { return Ok(Vec::new()) };
+                let mut last = first;
+                let mut used = 0usize;
+                for meta in &metas {
+                    let size = meta.byte_size.max(0) as usize;
+                    if meta.sequence != first && used + size > PAGE_BYTES {
+                        break;
+                    }
+                    used += size;
+                    last = meta.sequence;
+                }
+                Ok(messages::active_in_range(&mut conn, thread_id, first, last).await?)
             }
             .await;
             match page {
                 Ok(rows) if rows.is_empty() => None,
                 Ok(rows) => {
-                    let next = (rows.len() as i64 == PAGE).then(|| rows.last().map(|r| r.sequence)).flatten();
+                    let next = rows.last().map(|r| r.sequence);
                     Some((Ok(rows), next))
                 }
                 Err(e) => Some((Err(e), None)),
