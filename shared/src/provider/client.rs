@@ -1,6 +1,7 @@
 //! Streaming client for OpenAI-compatible Chat Completions endpoints
 //! (`POST {base_url}/chat/completions` with `stream: true`, server-sent events).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
@@ -135,7 +136,11 @@ pub enum ProviderError {
     /// The answer (text, reasoning and tool calls) grew past `MODEL_MAX_ANSWER_BYTES`.
     #[error("the model's answer exceeded {0} bytes (MODEL_MAX_ANSWER_BYTES); the stream was cut")]
     TooLarge(usize),
-    /// The stream as read (every event's data: envelopes and empty deltas included) grew past
+    /// One stream event grew past [`EVENT_BYTES_PER_ANSWER_BYTE`] times `MODEL_MAX_ANSWER_BYTES`
+    /// without its end (the blank line that ends an SSE event).
+    #[error("one event of the model's stream exceeded {0} bytes ({EVENT_BYTES_PER_ANSWER_BYTE} x MODEL_MAX_ANSWER_BYTES) without ending; it was cut")]
+    EventTooLarge(usize),
+    /// The stream as read (every byte off the socket: envelopes and empty deltas included) grew past
     /// [`WIRE_BYTES_PER_ANSWER_BYTE`] times `MODEL_MAX_ANSWER_BYTES`.
     #[error("the model's stream exceeded {0} bytes ({WIRE_BYTES_PER_ANSWER_BYTE} x MODEL_MAX_ANSWER_BYTES) before it ended; it was cut")]
     StreamTooLarge(usize),
@@ -152,6 +157,13 @@ pub enum ProviderError {
 /// What this bounds is the parsing of a stream that carries nothing (empty deltas), not memory:
 /// events are not kept.
 pub const WIRE_BYTES_PER_ANSWER_BYTE: usize = 64;
+
+/// One SSE event of a model stream is cut past this many times `MODEL_MAX_ANSWER_BYTES` of
+/// bytes read since the previous event ended: the decoder holds an event whole until its end,
+/// so this bounds a worker's memory per stream (verifier P, P-2: `data:` lines without the
+/// blank line that ends an event grew a worker to 2 GB). An answer sent as one event is JSON
+/// of at most the cap, escaped: up to 6 bytes (`\uXXXX`) per byte of text, and its envelope.
+pub const EVENT_BYTES_PER_ANSWER_BYTE: usize = 8;
 
 /// Most tool calls one answer may start; a stream that starts more is cut
 /// ([`ProviderError::TooManyToolCalls`]). Parallel calls of real models number a few to a few
@@ -182,7 +194,7 @@ impl ProviderError {
             Self::Malformed(_) => "model_malformed_response",
             Self::Stalled(_) => "model_stream_stalled",
             Self::TooLarge(_) => "model_answer_too_large",
-            Self::StreamTooLarge(_) => "model_stream_too_large",
+            Self::StreamTooLarge(_) | Self::EventTooLarge(_) => "model_stream_too_large",
             Self::TooManyToolCalls => "model_too_many_tool_calls",
         }
     }
@@ -551,14 +563,41 @@ async fn read_stream(
         assembly.apply(chunk, &data, model, on_delta)?;
         return assembly.finish(true);
     }
-    let mut pending = Vec::new();
-    let mut events = response.bytes_stream().map(move |chunk| chunk.map(|bytes| lossy_utf8(&mut pending, &bytes))).eventsource();
-    let mut done = false;
-    // Everything read counts too, at WIRE_BYTES_PER_ANSWER_BYTE times the answer's cap: a
-    // stream of empty deltas is no answer but is read all the same (verification probe: 300 MB
-    // of empty chunks).
-    let mut read_bytes = 0usize;
+    // Everything read counts, as it comes off the socket and before the SSE decoder buffers it,
+    // at WIRE_BYTES_PER_ANSWER_BYTE times the answer's cap: a stream of empty deltas is no answer
+    // but is read all the same (verification probe: 300 MB of empty chunks). And one event may
+    // not grow past EVENT_BYTES_PER_ANSWER_BYTE times the cap: the decoder holds an event until
+    // its blank line, so lines of `data:` that never end one grew a worker to 2 GB, under a
+    // bound counted on the events the decoder gave out (verifier P, P-2). Past either bound the
+    // body stream ends and the answer is cut.
     let max_read_bytes = max_answer_bytes.saturating_mul(WIRE_BYTES_PER_ANSWER_BYTE);
+    let max_event_bytes = max_answer_bytes.saturating_mul(EVENT_BYTES_PER_ANSWER_BYTE);
+    let cut = Arc::new(std::sync::Mutex::new(None::<ProviderError>));
+    let cutting = cut.clone();
+    let (mut read, mut event) = (0usize, EventLength::default());
+    let mut pending = Vec::new();
+    let mut events = response
+        .bytes_stream()
+        .take_while(move |chunk| {
+            let over = chunk.as_ref().ok().and_then(|bytes| {
+                read += bytes.len();
+                if read > max_read_bytes {
+                    Some(ProviderError::StreamTooLarge(max_read_bytes))
+                } else if event.feed(bytes) > max_event_bytes {
+                    Some(ProviderError::EventTooLarge(max_event_bytes))
+                } else {
+                    None
+                }
+            });
+            let keep = over.is_none();
+            if let Some(error) = over {
+                *cutting.lock().expect("not poisoned") = Some(error);
+            }
+            std::future::ready(keep)
+        })
+        .map(move |chunk| chunk.map(|bytes| lossy_utf8(&mut pending, &bytes)))
+        .eventsource();
+    let mut done = false;
     // Silence is measured between chunks that carry something (text, reasoning, a tool-call
     // piece, usage, a finish reason): keep-alive comments or empty deltas alone kept a stuck
     // stream going for as long as they came (verification probe).
@@ -574,10 +613,6 @@ async fn read_stream(
             EventStreamError::Transport(e) => ProviderError::Transport(error_chain(&e)),
             other => ProviderError::Malformed(other.to_string()),
         })?;
-        read_bytes += event.data.len();
-        if read_bytes > max_read_bytes {
-            return Err(ProviderError::StreamTooLarge(max_read_bytes));
-        }
         let data = event.data.trim();
         if data == "[DONE]" {
             done = true;
@@ -598,7 +633,50 @@ async fn read_stream(
             progress_deadline = tokio::time::Instant::now() + read_timeout;
         }
     }
+    if let Some(error) = cut.lock().expect("not poisoned").take() {
+        return Err(error);
+    }
     assembly.finish(done)
+}
+
+/// The length of the SSE event being read, from the bytes as they come: an event ends at an
+/// empty line, and a line at CR, LF or CRLF (the SSE grammar).
+#[derive(Debug, Default)]
+struct EventLength {
+    /// Bytes since the last event ended.
+    event: usize,
+    /// Bytes of the current line so far.
+    line: usize,
+    /// The previous byte was a CR (a following LF ends the same line).
+    after_cr: bool,
+}
+
+impl EventLength {
+    /// Reads `bytes`; returns the longest the current event was while they were read.
+    fn feed(&mut self, bytes: &[u8]) -> usize {
+        let mut longest = self.event;
+        for &b in bytes {
+            match b {
+                b'\n' if self.after_cr => self.after_cr = false,
+                b'\r' | b'\n' => {
+                    self.after_cr = b == b'\r';
+                    if self.line == 0 {
+                        self.event = 0;
+                    } else {
+                        self.event += 1;
+                    }
+                    self.line = 0;
+                }
+                _ => {
+                    self.after_cr = false;
+                    self.line += 1;
+                    self.event += 1;
+                    longest = longest.max(self.event);
+                }
+            }
+        }
+        longest
+    }
 }
 
 /// `bytes` (the next read of a stream; `pending` holds what the previous read left) as UTF-8:
@@ -1211,6 +1289,28 @@ mod tests {
         let (model, _) = serve(vec![sse(&tokens)]).await;
         let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
         assert_eq!(result.unwrap().content, "x".repeat(900));
+
+        // `data:` lines that never end their event (no blank line): the decoder would hold them
+        // all; cut at EVENT_BYTES_PER_ANSWER_BYTE times the cap of what was read (verifier P,
+        // P-2: a worker grew to 2 GB; before, this ended only when the stream stalled).
+        let line = format!("data: {}\n", "y".repeat(100));
+        let model = serve_paced(vec![(Duration::ZERO, format!("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n{}", line.repeat(500)))]).await;
+        let client = ProviderClient::with_limits(Duration::from_secs(3), 1000).with_max_retries(0);
+        let started = std::time::Instant::now();
+        let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
+        let error = result.unwrap_err();
+        assert!(matches!(error, ProviderError::EventTooLarge(8000)), "{error:?} after {:?}", started.elapsed());
+        assert_eq!(error.code(), "model_stream_too_large");
+    }
+
+    #[test]
+    fn an_event_ends_at_an_empty_line_of_any_line_ending() {
+        let mut e = EventLength::default();
+        assert_eq!(e.feed(b"data: 12345\r\n"), 11);
+        assert_eq!(e.feed(b"data: 12\r\n\r\ndata: 1"), 20, "the second line counts to the first event");
+        assert_eq!(e.event, 7, "a new event after the empty line (CRLF)");
+        assert_eq!(e.feed(b"\n\ndata: x\r\rdata: yy\n"), 8);
+        assert_eq!(e.event, 9, "CR alone ends lines and events too");
     }
 
     /// Acceptance probe N, N-3: invalid UTF-8 in a stream is replaced, not fatal; a character
