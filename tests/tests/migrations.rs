@@ -263,7 +263,8 @@ async fn concurrent_migrators_all_succeed_and_apply_each_migration_once() {
 /// and databases first migrated in between kept the old SQL silently — among others, main's
 /// workers ran an `ask` tool without approval on one); a binary whose migrations the database
 /// lacks refuses to `run` (before, a new api started before `migrate` said ready and failed
-/// `/v1` requests after the model was paid); a database newer than the binary is fine.
+/// `/v1` requests after the model was paid), and so does one whose migration differs from what
+/// the database applied (verifier P, P-4); a database newer than the binary is fine.
 #[tokio::test]
 async fn a_changed_or_missing_migration_is_refused_and_a_newer_schema_is_not() {
     let db = EmptyDb::create().await;
@@ -272,23 +273,8 @@ async fn a_changed_or_missing_migration_is_refused_and_a_newer_schema_is_not() {
     // All but the last: each binary refuses to run, naming what is missing.
     agentloop_shared::db::run_migrations_up_to(&db.url, dirs - 1).await.unwrap();
     for binary in ["agentloop-worker", "agentloop-api"] {
-        let out = tokio::time::timeout(
-            Duration::from_secs(30),
-            tokio::process::Command::new(agentloop_tests::bin(binary))
-                .arg("run")
-                .env("DATABASE_URL", &db.url)
-                .env("API_LISTEN", "127.0.0.1:0")
-                .env("MODEL_BASE_URL", "http://127.0.0.1:9/v1")
-                .env("MODEL_NAME", "m")
-                .env("RUST_LOG", "warn")
-                .kill_on_drop(true)
-                .output(),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("{binary} run started on a schema that lacks a migration"))
-        .unwrap();
-        let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
-        assert!(!out.status.success() && text.contains("lacks 1 migration"), "{binary}: {:?}\n{text}", out.status);
+        let text = refused_to_run(&db.url, binary).await;
+        assert!(text.contains("lacks 1 migration"), "{binary}: {text}");
     }
     // Every applied migration's checksum is recorded.
     agentloop_shared::db::run_migrations(&db.url).await.unwrap();
@@ -302,4 +288,34 @@ async fn a_changed_or_missing_migration_is_refused_and_a_newer_schema_is_not() {
     c.batch_execute("UPDATE agentloop_migration_checksums SET sha256 = repeat('0', 64) WHERE version = '20261206000039'").await.unwrap();
     let error = agentloop_shared::db::run_migrations(&db.url).await.unwrap_err().to_string();
     assert!(error.contains("2026-12-06-000039_fleet_tool_policies differs from the one this database applied"), "{error}");
+    // And `run` refuses it too (verifier P, P-4: it served, on SQL other than its own).
+    let gap = agentloop_shared::db::schema_gap(&db.url).await.unwrap();
+    assert_eq!(gap.changed, ["2026-12-06-000039_fleet_tool_policies"], "{gap:?}");
+    for binary in ["agentloop-worker", "agentloop-api"] {
+        let text = refused_to_run(&db.url, binary).await;
+        assert!(text.contains("differ from what the database applied (2026-12-06-000039_fleet_tool_policies)"), "{binary}: {text}");
+    }
+}
+
+/// Runs `binary run` against `url` and returns its output; panics unless it exits with an error
+/// within 30 s.
+async fn refused_to_run(url: &str, binary: &str) -> String {
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(agentloop_tests::bin(binary))
+            .arg("run")
+            .env("DATABASE_URL", url)
+            .env("API_LISTEN", "127.0.0.1:0")
+            .env("MODEL_BASE_URL", "http://127.0.0.1:9/v1")
+            .env("MODEL_NAME", "m")
+            .env("RUST_LOG", "warn")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{binary} run started on a schema it should refuse"))
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{binary}: {:?}\n{text}", out.status);
+    text
 }

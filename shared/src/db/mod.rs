@@ -256,6 +256,9 @@ pub struct SchemaGap {
     /// Applied versions this binary does not know (a newer release migrated it: fine, migrations
     /// are additive, during a rolling upgrade or a rollback).
     pub unknown: Vec<String>,
+    /// Embedded migrations (names) whose text differs from what the database recorded when it
+    /// applied them (`agentloop_migration_checksums`): this binary's SQL is not what runs there.
+    pub changed: Vec<String>,
 }
 
 /// Compares the migrations applied to `database_url` with the embedded ones (one short
@@ -265,16 +268,40 @@ pub async fn schema_gap(database_url: &str) -> Result<SchemaGap, DbError> {
     let applied = applied_versions(&mut conn).await?;
     let known: std::collections::HashSet<String> = ALL_MIGRATIONS.iter().map(|(name, _)| migration_version(name)).collect();
     let applied_set: std::collections::HashSet<&String> = applied.iter().collect();
+    #[derive(diesel::QueryableByName)]
+    struct Exists {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        present: bool,
+    }
+    let has_checksums = diesel::sql_query("SELECT to_regclass('agentloop_migration_checksums') IS NOT NULL AS present")
+        .get_result::<Exists>(&mut conn)
+        .await?
+        .present;
+    let recorded: std::collections::HashMap<String, String> = if has_checksums {
+        diesel::sql_query("SELECT version, sha256 FROM agentloop_migration_checksums")
+            .load::<Recorded>(&mut conn)
+            .await?
+            .into_iter()
+            .map(|r| (r.version, r.sha256))
+            .collect()
+    } else {
+        Default::default()
+    };
     let mut gap = SchemaGap {
         missing: ALL_MIGRATIONS.iter().filter(|(name, _)| !applied_set.contains(&migration_version(name))).map(|(name, _)| (*name).to_owned()).collect(),
         unknown: applied.iter().filter(|v| !known.contains(*v)).cloned().collect(),
+        changed: ALL_MIGRATIONS
+            .iter()
+            .filter(|(name, up)| recorded.get(&migration_version(name)).is_some_and(|sha| *sha != migration_checksum(up)))
+            .map(|(name, _)| (*name).to_owned())
+            .collect(),
     };
     gap.unknown.sort();
     Ok(gap)
 }
 
-/// Start-up check of `run` (api and worker): a database that lacks migrations this binary needs
-/// stops the process, naming them (acceptance probe M, M-2: a new api started before
+/// Start-up check of `run` (api and worker): a database that lacks migrations this binary needs,
+/// or applied one whose text differs from this binary's, stops the process, naming them (acceptance probe M, M-2: a new api started before
 /// `migrate` said ready and failed requests after the model was paid, `function ... does not
 /// exist`; a new worker ran without the fleet's tool policies). Versions beyond this binary are
 /// logged. An unreachable database is not an error here: the check runs again in the
@@ -287,6 +314,14 @@ pub async fn require_schema(database_url: &str) -> anyhow::Result<()> {
                 "the database lacks {} migration(s) this binary needs ({}); run `agentloop-worker migrate` first (docs/operations.md §4)",
                 gap.missing.len(),
                 gap.missing.join(", ")
+            );
+        }
+        if !gap.changed.is_empty() {
+            // Verifier P, P-4: `migrate` refused such a database, `run` served on it.
+            anyhow::bail!(
+                "{} migration(s) of this binary differ from what the database applied ({}): this binary's SQL is not what runs there; a migration must never change once applied (migrations/README.md)",
+                gap.changed.len(),
+                gap.changed.join(", ")
             );
         }
         if !gap.unknown.is_empty() {
