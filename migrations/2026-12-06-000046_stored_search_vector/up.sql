@@ -14,6 +14,9 @@
 -- column, and search matches the column: whatever plan PostgreSQL picks, a message it looks at
 -- costs reading its stored vector, not parsing its text.
 --
+-- The search text also reads `<` as a space (P-1 below), and this migration converges a database
+-- that applied the first text of 000043 (P-3, at the end).
+--
 -- And a snippet no longer runs the search text's cut (000043) over each hit's whole text: a
 -- regular-expression pass that costs ~120 ms on 128 Ki characters without whitespace, so a search
 -- with 100 such hits took 12 s for its snippets alone. The window around the first match is taken
@@ -30,13 +33,19 @@ CREATE OR REPLACE FUNCTION agentloop_content_text(c jsonb) RETURNS text LANGUAGE
         ELSE '' END
 $$;
 
--- As in 000043 (same result), reading the text through agentloop_content_text.
+-- As in 000043, reading the text through agentloop_content_text, and every `<` read as a space
+-- (verifier P, P-1): the parser's tag and comment states scan across whitespace — after each
+-- `<!--` it looks for `-->` to the end of the text and backtracks — so the run cut of 000043 did
+-- not bound them: 131,072 characters of `<!--` took 28.7 s, an answer of them was never stored
+-- (every commit of it timed out, the run ended `abandoned` with the model paid seven times) and
+-- a 64 KiB turn of them was refused 503. With `<` a space no tag or comment state is entered
+-- (`<b>bold</b>` is indexed as the words `b`, `bold`, `/b`; 'simple' dropped tags before).
 CREATE OR REPLACE FUNCTION agentloop_search_text(c jsonb) RETURNS text LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 DECLARE
     v text := agentloop_content_text(c);
 BEGIN
     IF length(v) > 131072 THEN v := left(v, 131072); END IF;
-    RETURN regexp_replace(v, '(\S{64})', '\1 ', 'g');
+    RETURN regexp_replace(translate(v, '<', ' '), '(\S{64})', '\1 ', 'g');
 END $$;
 
 -- As in 000045, with the window taken before the cut: 4,096 characters from 1,024 before the
@@ -50,7 +59,7 @@ BEGIN
         IF p_word IS NOT NULL AND p_word <> '' THEN v_at := strpos(lower(v), p_word); END IF;
         v := substr(v, greatest(1, v_at - 1024), 4096);
     END IF;
-    RETURN translate(regexp_replace(v, '(\S{64})', '\1 ', 'g'), chr(2) || chr(3), '');
+    RETURN translate(regexp_replace(translate(v, '<', ' '), '(\S{64})', '\1 ', 'g'), chr(2) || chr(3), '');
 END $$;
 
 CREATE OR REPLACE FUNCTION agentloop_message_search_vector() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -128,3 +137,10 @@ BEGIN
 END $$;
 -- commit
 DROP INDEX CONCURRENTLY IF EXISTS messages_search;
+-- commit
+-- Left by the first text of 000043 (it was edited in place after a database could have applied
+-- it: verifier P, P-3): a second search index over an unbounded search text, computed in every
+-- message insert. Every other object that text made is restated above.
+DROP INDEX CONCURRENTLY IF EXISTS messages_search_words;
+-- commit
+DROP FUNCTION IF EXISTS agentloop_search_words(jsonb);

@@ -103,15 +103,18 @@ impl TestDb {
             if !status.success() {
                 bail!("migrating the template failed");
             }
-            // The binary must hold every migration on disk (one built before a migration was
-            // added would leave a template that looks current but lacks it).
-            let (t, conn) = tokio_postgres::connect(&url_on(&admin_url, template), NoTls).await?;
-            tokio::spawn(conn);
-            let applied: i64 = t.query_one("SELECT count(*) FROM __diesel_schema_migrations", &[]).await?.get(0);
-            let on_disk = migrations_on_disk();
-            if applied != on_disk {
+            // The binary must hold every migration on disk as it is there (one built before a
+            // migration was added or changed would leave a template that looks current but
+            // lacks it, or ran other SQL).
+            let gap = agentloop_shared::db::schema_gap(&url_on(&admin_url, template)).await?;
+            if !gap.missing.is_empty() || !gap.changed.is_empty() {
                 admin.batch_execute(&format!("DROP DATABASE IF EXISTS {template} WITH (FORCE)")).await?;
-                bail!("{} applied {applied} migrations, {on_disk} are on disk: rebuild it (cargo build --workspace)", bin("agentloop-worker").display());
+                bail!(
+                    "{} migrated the template with other migrations than those on disk (missing {:?}, changed {:?}): rebuild it (cargo build --workspace)",
+                    bin("agentloop-worker").display(),
+                    gap.missing,
+                    gap.changed
+                );
             }
             admin.batch_execute(&format!("COMMENT ON DATABASE {template} IS '{fingerprint}'")).await?;
         }
@@ -128,12 +131,6 @@ impl TestDb {
         tokio::spawn(conn);
         Ok(client)
     }
-}
-
-/// Migrations on disk (directories with an `up.sql`).
-fn migrations_on_disk() -> i64 {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations");
-    std::fs::read_dir(dir).map(|d| d.flatten().filter(|e| e.path().join("up.sql").exists()).count() as i64).unwrap_or(0)
 }
 
 fn migrations_fingerprint() -> String {

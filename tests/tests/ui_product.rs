@@ -399,7 +399,8 @@ async fn a_stopped_answer_reads_as_interrupted_to_the_model() {
 /// of some characters: the search index made the commit of an answer of 48,000 `_a` take about
 /// five minutes, so the worker's commit timed out again and again and the paid answer was never
 /// stored; and a tsvector holds at most 1 MiB, so a message of ~2 MB of distinct words failed
-/// its insert (`string is too long for tsvector`).
+/// its insert (`string is too long for tsvector`). The same for the comment state (`<!--`), which
+/// no run cut bounds (000046).
 #[tokio::test]
 async fn any_text_is_stored_and_searched_in_linear_time() {
     let stack = Stack::start("ui_search_bounds", StackOptions::default()).await.unwrap();
@@ -410,6 +411,13 @@ async fn any_text_is_stored_and_searched_in_linear_time() {
     assert_eq!(run["status"], "completed", "{run}");
     let answer = texts(&window(&c, &thread).await).pop().unwrap().1;
     assert_eq!(answer, "_a".repeat(48_000), "the answer is stored whole");
+    // The parser's comment state scans across whitespace, so the run cut does not bound it:
+    // 128 Ki characters of `<!--` took 28.7 s, every commit of such an answer timed out and the
+    // run ended `abandoned` (verifier P, P-1). `<` is read as a space (migration 000046).
+    let run = c.chat(&thread, &format!("comments please {}", script(json!([{"prefix": "start ", "text": "<!-- ", "repeat": 26_000, "suffix": "end"}])))).await.unwrap();
+    let run = c.wait_terminal(run["run"]["id"].as_str().unwrap(), Duration::from_secs(60)).await.unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(texts(&window(&c, &thread).await).pop().unwrap().1, format!("start {}end", "<!-- ".repeat(26_000)), "stored whole");
 
     // ~1 MB of distinct words (a tsvector of ~1.6 MiB): stored; the first 128 Ki characters are
     // searched.
