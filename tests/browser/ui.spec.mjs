@@ -307,6 +307,20 @@ export const tests = [
         assert(worst < 3000, `the page answered within 3 s while "${shown}" was drawn (worst ${worst} ms)`);
         if (shown === 'code end') assert((await heavy.locator('code').first().innerText()).length >= 60000, 'the whole code block is shown');
       }
+
+      // One streamed piece larger than a live event's share of a member (8 KiB of 64 KiB) comes
+      // cut; the page reads the partial answer whole (before: the first 8 KiB and "…[N bytes
+      // omitted]" until the finished message arrived). The next piece comes 8 s later.
+      await newThread(page);
+      await send(page, 'Big piece. ' + mock([{ prefix: 'a b ', text: 'y', repeat: 70000, suffix: ' c d e f g h', chunkDelayMs: 8000 }]));
+      const stream = page.locator(sel('streaming'));
+      let partial = '';
+      for (const until = Date.now() + 20_000; Date.now() < until; await sleep(200)) {
+        partial = (await stream.isVisible()) ? (await stream.innerText()).trim() : '';
+        if (partial.includes('y'.repeat(70000)) || partial.includes('omitted')) break;
+      }
+      assert(partial.includes('y'.repeat(70000)) && !partial.includes('omitted'),
+        'the streamed partial answer is whole: ' + partial.length + ' ' + partial.slice(-60));
     },
   },
   {

@@ -1501,6 +1501,9 @@ function onEvent(V, kind, p, seq) {
 }
 
 function applyDelta(V, p) {
+  // A delta larger than a live event's share comes cut (`truncated`): the thread's read has the
+  // partial answer whole.
+  if (p.truncated) { resync(V); return; }
   let s = V.stream;
   if (p.offset === 0) s = V.stream = {runId: p.runId, content: '', reasoning: ''};
   else if (!s || s.runId !== p.runId || p.offset > s.content.length) { resync(V); return; }
