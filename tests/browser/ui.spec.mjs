@@ -291,6 +291,10 @@ export const tests = [
       for (const [step, shown] of [
         [{ prefix: '```java\n', text: '$', repeat: 60000, suffix: '\n```\n\ncode end' }, 'code end'],
         [{ prefix: 'z', text: '\u0301', repeat: 70000, suffix: ' marks end' }, 'marks end'],
+        // Verifier P, P-5: skin-tone modifiers extend a cluster as marks do (10,000: 32 s frozen).
+        [{ prefix: 'a', text: '\u{1F3FB}', repeat: 10000, suffix: ' modifiers end' }, 'modifiers end'],
+        // P-7: the highlight bound was per block; 24 blocks under it blocked the tab 7 s.
+        [{ text: '```java\n' + '$'.repeat(3990) + '\n```\n\n', repeat: 24, suffix: 'blocks end' }, 'blocks end'],
       ]) {
         await newThread(page);
         await send(page, 'Heavy. ' + mock([step]));

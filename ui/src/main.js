@@ -766,7 +766,7 @@ function startEdit(V, m, node) {
   if (node.querySelector('.edit')) return;
   const bubble = node.querySelector(':scope > .bubble');
   const ta = h('textarea', {'data-testid': 'edit-input', rows: Math.min(8, textOf(m.content).split('\n').length + 1)});
-  ta.value = textOf(m.content);
+  ta.value = tame(textOf(m.content));
   const close = () => { box.remove(); node.classList.remove('editing'); if (bubble) bubble.hidden = false; actionError(node, null); };
   const save = async () => {
     if (!ta.value.trim()) return;
@@ -1363,8 +1363,13 @@ function gateDone(V, run) {
 
 function approvalCard(V, a) {
   const original = JSON.stringify(a.arguments, null, 2);
-  const ta = h('textarea', {class: 'args', 'data-testid': 'approval-arguments', spellcheck: 'false', rows: Math.min(10, original.split('\n').length + 1)});
-  ta.value = V.drafts[a.id] != null ? V.drafts[a.id] : original;
+  // Arguments the page cannot show whole (a run of extending characters, see `tame`: 70,000
+  // accents froze the tab 12 s on every open of the thread, verifier P, P-6) are shown tamed and
+  // cannot be edited here: approving sends no edit, so the call runs with what the model wrote.
+  const editable = tame(original) === original;
+  const ta = h('textarea', {class: 'args', 'data-testid': 'approval-arguments', spellcheck: 'false', readonly: !editable,
+    rows: Math.min(10, original.split('\n').length + 1)});
+  ta.value = !editable ? tame(original) : V.drafts[a.id] != null ? V.drafts[a.id] : original;
   ta.addEventListener('input', () => { V.drafts[a.id] = ta.value; });
   const reason = h('input', {'data-testid': 'reject-reason', placeholder: 'Reason for rejecting (optional)'});
   const decide = async (verb, body) => {
@@ -1383,7 +1388,7 @@ function approvalCard(V, a) {
   };
   const approve = () => {
     const body = {};
-    if (ta.value.trim() !== original.trim()) {
+    if (editable && ta.value.trim() !== original.trim()) {
       try { body.arguments = JSON.parse(ta.value); } catch (e) {
         showError({code: 'invalid_arguments', message: 'The arguments are not valid JSON: ' + e.message});
         return;
@@ -1394,7 +1399,7 @@ function approvalCard(V, a) {
   const card = h('div', {class: 'approval', 'data-testid': 'approval', 'data-approval-id': a.id, 'data-tool-name': a.toolName},
     h('div', null, icon('tool'), h('b', {text: ' ' + a.toolName}),
       h('span', {class: 'note', text: ' · undecided calls are rejected at ' + new Date(a.deadlineAt).toLocaleString()})),
-    h('div', {class: 'lbl', text: 'Arguments (JSON, you can edit them)'}), ta,
+    h('div', {class: 'lbl', text: editable ? 'Arguments (JSON, you can edit them)' : 'Arguments (JSON; too long a run of combining characters to show whole or edit here)'}), ta,
     h('div', {class: 'gate-actions'},
       h('button', {class: 'primary', 'data-testid': 'approve', text: 'Approve', onclick: approve}),
       h('button', {'data-testid': 'reject', text: 'Reject', onclick: () => decide('reject', reason.value.trim() ? {reason: reason.value.trim()} : {})}),

@@ -44,13 +44,32 @@ const escape = s => s.replace(/[&<>"']/g, ch => ({'&': '&amp;', '<': '&lt;', '>'
 export const HIGHLIGHT_MAX_CHARS = 4000;
 export const DETECT_MAX_CHARS = 1500;
 
-/** Highlighted HTML of `code` (escaped, hljs spans only); plain past the bounds above. */
+/**
+ * Most time spent highlighting in one task (ms): later code of the same task is shown plain. The
+ * bounds above are per block, and a message may hold 25 blocks under them: 24 blocks of 3,990 `$`
+ * as Java blocked the tab 7 s (verifier P, P-7). A task thus highlights for at most this plus one
+ * block (~0.35 s at worst).
+ */
+export const HIGHLIGHT_BUDGET_MS = 100;
+let spent = 0;
+let resetting = false;
+
+/** Highlighted HTML of `code` (tamed, escaped, hljs spans only); plain past the bounds above. */
 export function highlight(code, lang) {
+  code = tame(code);
+  if (!resetting) {
+    resetting = true;
+    setTimeout(() => { spent = 0; resetting = false; }, 0);
+  }
+  if (spent >= HIGHLIGHT_BUDGET_MS) return escape(code);
+  const started = performance.now();
   try {
     if (lang && hljs.getLanguage(lang)) {
       if (code.length <= HIGHLIGHT_MAX_CHARS) return hljs.highlight(code, {language: lang, ignoreIllegals: true}).value;
     } else if (code.length <= DETECT_MAX_CHARS) return hljs.highlightAuto(code).value;
-  } catch (_) { /* plain below */ }
+  } catch (_) { /* plain below */ } finally {
+    spent += performance.now() - started;
+  }
   return escape(code);
 }
 

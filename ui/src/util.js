@@ -5,15 +5,19 @@ export const $$ = (s, root = document) => [...root.querySelectorAll(s)];
 export const sleep = ms => new Promise(r => setTimeout(r, ms));
 
 /** Builds an element. `props`: class, text, on<event> (listeners, never inline attributes), other attributes. */
-/** Most combining marks shown on one character; the rest are not shown. */
+/** Most extending characters shown on one character; the rest are not shown. */
 export const MAX_MARKS = 8;
-const MARK_RUN = new RegExp('(\\p{M}{' + MAX_MARKS + '})\\p{M}+', 'gu');
+// Whatever extends a grapheme cluster: combining marks, the other Grapheme_Extend characters and
+// emoji skin-tone modifiers (Sk, yet they extend the emoji before them).
+const EXTEND = '[\\p{M}\\p{Grapheme_Extend}\\p{Emoji_Modifier}]';
+const MARK_RUN = new RegExp('(' + EXTEND + '{' + MAX_MARKS + '})' + EXTEND + '+', 'gu');
 
 /**
- * `s` as shown on the page: at most MAX_MARKS combining marks on one character. Chromium lays
- * out one grapheme cluster in time quadratic in its marks: an answer of one letter and 70,000
- * accents froze the tab for 12 s, 300,000 for 100 s (acceptance probe N, N-7). Real scripts
- * stack a few. Stored text is unchanged (copy, edit and export use it).
+ * `s` as shown on the page: at most MAX_MARKS characters extending one character. Chromium lays
+ * out one grapheme cluster in time quadratic in its length: an answer of one letter and 70,000
+ * accents froze the tab for 12 s, 300,000 for 100 s (acceptance probe N, N-7); one `a` and
+ * 10,000 skin-tone modifiers 32 s, 30,000 over 6 minutes (verifier P, P-5). Real scripts stack a
+ * few. Stored text is unchanged (copy, edit and export use it).
  */
 export function tame(s) {
   return typeof s === 'string' && s.length > MAX_MARKS ? s.replace(MARK_RUN, '$1') : s;
