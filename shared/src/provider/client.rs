@@ -574,6 +574,8 @@ async fn read_stream(
     let max_event_bytes = max_answer_bytes.saturating_mul(EVENT_BYTES_PER_ANSWER_BYTE);
     let cut = Arc::new(std::sync::Mutex::new(None::<ProviderError>));
     let cutting = cut.clone();
+    let invalid = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counting = invalid.clone();
     let (mut read, mut event) = (0usize, EventLength::default());
     let mut pending = Vec::new();
     let mut events = response
@@ -595,7 +597,14 @@ async fn read_stream(
             }
             std::future::ready(keep)
         })
-        .map(move |chunk| chunk.map(|bytes| lossy_utf8(&mut pending, &bytes)))
+        .map(move |chunk| {
+            chunk.map(|bytes| {
+                let mut replaced = 0;
+                let text = lossy_utf8(&mut pending, &bytes, &mut replaced);
+                counting.fetch_add(replaced, std::sync::atomic::Ordering::Relaxed);
+                text
+            })
+        })
         .eventsource();
     let mut done = false;
     // Silence is measured between chunks that carry something (text, reasoning, a tool-call
@@ -636,6 +645,7 @@ async fn read_stream(
     if let Some(error) = cut.lock().expect("not poisoned").take() {
         return Err(error);
     }
+    assembly.invalid_utf8 = invalid.load(std::sync::atomic::Ordering::Relaxed);
     assembly.finish(done)
 }
 
@@ -680,11 +690,11 @@ impl EventLength {
 }
 
 /// `bytes` (the next read of a stream; `pending` holds what the previous read left) as UTF-8:
-/// every invalid sequence becomes U+FFFD, and a sequence cut at the end of the read is kept in
-/// `pending` for the next. The SSE decoder failed the whole stream on one invalid byte — the
+/// every invalid sequence becomes U+FFFD (counted in `replaced`), and a sequence cut at the end
+/// of the read is kept in `pending` for the next. The SSE decoder failed the whole stream on one invalid byte — the
 /// run failed `model_malformed_response` and the answer, paid for, was lost (acceptance probe
 /// N, N-3; local servers stream byte-fallback tokens as partial UTF-8).
-fn lossy_utf8(pending: &mut Vec<u8>, bytes: &[u8]) -> Vec<u8> {
+fn lossy_utf8(pending: &mut Vec<u8>, bytes: &[u8], replaced: &mut usize) -> Vec<u8> {
     pending.extend_from_slice(bytes);
     let mut out = Vec::with_capacity(pending.len());
     let mut rest: &[u8] = pending;
@@ -700,6 +710,7 @@ fn lossy_utf8(pending: &mut Vec<u8>, bytes: &[u8]) -> Vec<u8> {
                 out.extend_from_slice(valid);
                 match e.error_len() {
                     Some(bad) => {
+                        *replaced += 1;
                         out.extend_from_slice(char::REPLACEMENT_CHARACTER.to_string().as_bytes());
                         rest = &after[bad..];
                     }
@@ -741,6 +752,8 @@ struct Assembly {
     calls: Vec<PartialCall>,
     answer_bytes: usize,
     max_answer_bytes: usize,
+    /// Invalid UTF-8 sequences of the stream, each read as U+FFFD.
+    invalid_utf8: usize,
 }
 
 impl Assembly {
@@ -846,6 +859,14 @@ impl Assembly {
             return Err(ProviderError::Malformed(format!(
                 "{} stream chunk(s) could not be read in a response with tool calls: their arguments cannot be trusted, so none runs",
                 self.turn.malformed_chunks
+            )));
+        }
+        // An invalid byte in a call's name or arguments changed them as a skipped chunk would
+        // (verifier P: `calculator` ran `1+1\u{FFFD}`): none of the calls runs. Text keeps its U+FFFD.
+        if self.invalid_utf8 > 0 && self.calls.iter().any(|c| c.name.contains('\u{FFFD}') || c.arguments.contains('\u{FFFD}')) {
+            return Err(ProviderError::Malformed(format!(
+                "{} invalid UTF-8 sequence(s) in a response with tool calls changed a call's name or arguments: none runs",
+                self.invalid_utf8
             )));
         }
         if self.turn.malformed_chunks > 0 && self.calls.is_empty() && self.turn.content.is_empty() && self.turn.reasoning.as_deref().is_none_or(str::is_empty) {
@@ -1336,12 +1357,33 @@ mod tests {
         assert_eq!(result.unwrap().content, "bad \u{FFFD}\u{FFFD}, \u{20AC} ok");
     }
 
+    /// Verifier P: an invalid byte in a tool call's arguments ran the call with U+FFFD in them
+    /// (`calculator` got `1+1\u{FFFD}`); like a skipped chunk, it voids the calls.
+    #[tokio::test]
+    async fn an_invalid_byte_in_tool_call_arguments_voids_the_calls() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let model = model(&format!("http://{}/v1", listener.local_addr().unwrap()));
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            read_request(&mut socket).await;
+            let mut body = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Type: text/event-stream\r\n\r\n".to_vec();
+            body.extend_from_slice(b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c1\",\"function\":{\"name\":\"pay\",\"arguments\":\"{\\\"to\\\":\\\"a\xff\\\"}\"}}]}}]}\n\n");
+            body.extend_from_slice(b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\ndata: [DONE]\n\n");
+            socket.write_all(&body).await.unwrap();
+            let _ = socket.shutdown().await;
+        });
+        let (result, _) = chat(&ProviderClient::new().with_max_retries(0), &model, &ChatRequest::default()).await;
+        let error = result.unwrap_err();
+        assert_eq!(error.code(), "model_malformed_response", "{error}");
+    }
+
     #[test]
     fn lossy_utf8_keeps_a_cut_sequence_for_the_next_read() {
-        let mut pending = Vec::new();
-        assert_eq!(lossy_utf8(&mut pending, b"a\xe2\x82"), b"a");
-        assert_eq!(lossy_utf8(&mut pending, b"\xacb\xff"), "\u{20AC}b\u{FFFD}".as_bytes());
+        let (mut pending, mut replaced) = (Vec::new(), 0);
+        assert_eq!(lossy_utf8(&mut pending, b"a\xe2\x82", &mut replaced), b"a");
+        assert_eq!(lossy_utf8(&mut pending, b"\xacb\xff", &mut replaced), "\u{20AC}b\u{FFFD}".as_bytes());
         assert!(pending.is_empty());
+        assert_eq!(replaced, 1);
     }
 
     /// Acceptance probe N, N-5: one answer with 40,000 tool calls took 17 s to assemble
