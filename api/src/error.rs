@@ -36,7 +36,8 @@ pub enum ApiError {
     /// 413 `payload_too_large`.
     #[error("request body too large")]
     PayloadTooLarge,
-    /// 503 with a stable code (`sse_unavailable`, `database_unavailable`, `server_busy`).
+    /// 503 with a stable code (`sse_unavailable`, `database_unavailable`, `statement_timeout`,
+    /// `server_busy`).
     #[error("{message}")]
     Unavailable { code: &'static str, message: String },
     /// A refusal of a step function (`AL<status>`), with its status and stable code.
@@ -80,8 +81,24 @@ impl ApiError {
     /// 503 `database_unavailable` with a generic message; the cause (a SQLSTATE and the
     /// server's text, e.g. `25006: cannot execute INSERT in a read-only transaction`) is logged
     /// here, once, never returned (5xx bodies are generic).
+    ///
+    /// A statement PostgreSQL stopped at the api's `statement_timeout` (10 s) is 503
+    /// `statement_timeout` instead: the database is fine, this request's work did not fit the
+    /// bound, and the same request may well fail again (verifier P, P-9: costly text answered
+    /// "unavailable, retry later" to clients and SDKs that then retried forever, and fired the
+    /// operator's database alert for one user's content).
     pub(crate) fn database_unavailable(cause: &dyn std::fmt::Display) -> Self {
-        tracing::warn!(error = %cause, "database unavailable");
+        let text = cause.to_string();
+        if text.contains("statement timeout") {
+            tracing::warn!(error = %text, "statement timeout");
+            return Self::Unavailable {
+                code: "statement_timeout",
+                message: "the database stopped this request at its time bound (10 s) and nothing of it was stored; the same request \
+                          may fail again: a smaller one (fewer or shorter messages, a narrower search) may not"
+                    .into(),
+            };
+        }
+        tracing::warn!(error = %text, "database unavailable");
         Self::Unavailable { code: "database_unavailable", message: "the database is unavailable right now; retry later".into() }
     }
 }
@@ -234,4 +251,20 @@ pub fn query_error(err: actix_web::error::QueryPayloadError, req: &actix_web::Ht
 pub fn path_error(err: actix_web::error::PathError, _req: &actix_web::HttpRequest) -> actix_web::Error {
     let _ = err;
     ApiError::NotFound.into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A command PostgreSQL stopped at the statement bound is not "the database is unavailable"
+    /// (verifier P, P-9); a lost connection still is.
+    #[test]
+    fn a_statement_timeout_is_told_apart_from_an_unavailable_database() {
+        use agentloop_shared::store::StoreError;
+        let timed_out = ApiError::from(StoreError::Unavailable("57014: canceling statement due to statement timeout".into()));
+        assert_eq!(timed_out.code(), "statement_timeout");
+        let lost = ApiError::from(StoreError::Unavailable("connection closed".into()));
+        assert_eq!(lost.code(), "database_unavailable");
+    }
 }

@@ -157,7 +157,7 @@ impl Modify for Common {
                     add_default(op, envelope, "413", "`payload_too_large`");
                     add_default(op, envelope, "415", "`unsupported_media_type`: bodies are JSON");
                     let busy = "`server_busy`: the body budget (`MAX_BODY_BYTES_IN_FLIGHT`) stayed used up (`Retry-After`)";
-                    let busy = if database { format!("{busy}; `database_unavailable`, `outcome_unknown`") } else { busy.to_owned() };
+                    let busy = if database { format!("{busy}; `database_unavailable`, `statement_timeout`, `outcome_unknown`") } else { busy.to_owned() };
                     add_default(op, envelope, "503", &busy);
                 }
                 if authenticated {
@@ -169,7 +169,7 @@ impl Modify for Common {
                     add_default(op, envelope, "404", "Not found");
                 }
                 if database {
-                    add_default(op, envelope, "503", "`database_unavailable`, `outcome_unknown`");
+                    add_default(op, envelope, "503", "`database_unavailable`, `statement_timeout`, `outcome_unknown`");
                 }
             }
         }
