@@ -161,9 +161,11 @@ pub const WIRE_BYTES_PER_ANSWER_BYTE: usize = 64;
 /// One SSE event of a model stream is cut past this many times `MODEL_MAX_ANSWER_BYTES` of
 /// bytes read since the previous event ended: the decoder holds an event whole until its end,
 /// so this bounds a worker's memory per stream (verifier P, P-2: `data:` lines without the
-/// blank line that ends an event grew a worker to 2 GB). An answer sent as one event is JSON
-/// of at most the cap, escaped: up to 6 bytes (`\uXXXX`) per byte of text, and its envelope.
-pub const EVENT_BYTES_PER_ANSWER_BYTE: usize = 8;
+/// blank line that ends an event grew a worker to 2 GB). The decoder also scans the event it
+/// holds again for each read, so one endless line costs time quadratic in its length (40 MB:
+/// minutes of CPU; P-10): the bound is kept low. An answer sent as one event is JSON of at most
+/// the cap with its envelope; text that JSON escapes heavily is cut sooner.
+pub const EVENT_BYTES_PER_ANSWER_BYTE: usize = 2;
 
 /// Most tool calls one answer may start; a stream that starts more is cut
 /// ([`ProviderError::TooManyToolCalls`]). Parallel calls of real models number a few to a few
@@ -578,34 +580,44 @@ async fn read_stream(
     let counting = invalid.clone();
     let (mut read, mut event) = (0usize, EventLength::default());
     let mut pending = Vec::new();
-    let mut events = response
-        .bytes_stream()
-        .take_while(move |chunk| {
-            let over = chunk.as_ref().ok().and_then(|bytes| {
-                read += bytes.len();
-                if read > max_read_bytes {
-                    Some(ProviderError::StreamTooLarge(max_read_bytes))
-                } else if event.feed(bytes) > max_event_bytes {
-                    Some(ProviderError::EventTooLarge(max_event_bytes))
-                } else {
-                    None
+    let mut events = Box::pin(
+        response
+            .bytes_stream()
+            .take_while(move |chunk| {
+                let over = chunk.as_ref().ok().and_then(|bytes| {
+                    read += bytes.len();
+                    if read > max_read_bytes {
+                        Some(ProviderError::StreamTooLarge(max_read_bytes))
+                    } else if event.feed(bytes) > max_event_bytes {
+                        Some(ProviderError::EventTooLarge(max_event_bytes))
+                    } else {
+                        None
+                    }
+                });
+                let keep = over.is_none();
+                if let Some(error) = over {
+                    *cutting.lock().expect("not poisoned") = Some(error);
                 }
-            });
-            let keep = over.is_none();
-            if let Some(error) = over {
-                *cutting.lock().expect("not poisoned") = Some(error);
-            }
-            std::future::ready(keep)
-        })
-        .map(move |chunk| {
-            chunk.map(|bytes| {
-                let mut replaced = 0;
-                let text = lossy_utf8(&mut pending, &bytes, &mut replaced);
-                counting.fetch_add(replaced, std::sync::atomic::Ordering::Relaxed);
-                text
+                std::future::ready(keep)
             })
-        })
-        .eventsource();
+            // A stream read faster than it is decoded never waits on the socket, so without this the
+            // task would not yield while it decodes: one endless line held a runtime thread for
+            // minutes — its cancel was seen after 6 min 47 s, two such streams froze the worker and
+            // its lease renewals (verifier P, P-10).
+            .then(|chunk| async move {
+                tokio::task::coop::consume_budget().await;
+                chunk
+            })
+            .map(move |chunk| {
+                chunk.map(|bytes| {
+                    let mut replaced = 0;
+                    let text = lossy_utf8(&mut pending, &bytes, &mut replaced);
+                    counting.fetch_add(replaced, std::sync::atomic::Ordering::Relaxed);
+                    text
+                })
+            })
+            .eventsource(),
+    );
     let mut done = false;
     // Silence is measured between chunks that carry something (text, reasoning, a tool-call
     // piece, usage, a finish reason): keep-alive comments or empty deltas alone kept a stuck
@@ -1320,7 +1332,7 @@ mod tests {
         let started = std::time::Instant::now();
         let (result, _) = chat(&client, &model, &ChatRequest::default()).await;
         let error = result.unwrap_err();
-        assert!(matches!(error, ProviderError::EventTooLarge(8000)), "{error:?} after {:?}", started.elapsed());
+        assert!(matches!(error, ProviderError::EventTooLarge(2000)), "{error:?} after {:?}", started.elapsed());
         assert_eq!(error.code(), "model_stream_too_large");
     }
 
