@@ -24,14 +24,16 @@
 ALTER TABLE messages ADD COLUMN IF NOT EXISTS search_vector tsvector;
 
 -- The searchable text of a message's content: a string, or the `text` parts of an array joined by
--- spaces; '' otherwise.
-CREATE OR REPLACE FUNCTION agentloop_content_text(c jsonb) RETURNS text LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT CASE jsonb_typeof(c)
+-- spaces; '' otherwise. PL/pgSQL, not SQL: called from PL/pgSQL, a SQL function's query is planned
+-- again on every call (000021), and this runs in every message insert.
+CREATE OR REPLACE FUNCTION agentloop_content_text(c jsonb) RETURNS text LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+BEGIN
+    RETURN CASE jsonb_typeof(c)
         WHEN 'string' THEN c #>> '{}'
         WHEN 'array' THEN (SELECT string_agg(e ->> 'text', ' ') FROM jsonb_array_elements(c) e
                             WHERE jsonb_typeof(e) = 'object' AND e ->> 'type' = 'text')
-        ELSE '' END
-$$;
+        ELSE '' END;
+END $$;
 
 -- As in 000043, reading the text through agentloop_content_text, and every `<` read as a space
 -- (verifier P, P-1): the parser's tag and comment states scan across whitespace — after each
