@@ -295,6 +295,8 @@ export const tests = [
         [{ prefix: 'a', text: '\u{1F3FB}', repeat: 10000, suffix: ' modifiers end' }, 'modifiers end'],
         // P-7: the highlight bound was per block; 24 blocks under it blocked the tab 7 s.
         [{ text: '```java\n' + '$'.repeat(3990) + '\n```\n\n', repeat: 24, suffix: 'blocks end' }, 'blocks end'],
+        // P-11: raw HTML nests without bound (10,000 nested <q>: 35.6 s).
+        [{ text: '<q>', repeat: 10000, suffix: ' nested end' }, 'nested end'],
       ]) {
         await newThread(page);
         await send(page, 'Heavy. ' + mock([step]));

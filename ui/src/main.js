@@ -864,6 +864,16 @@ async function loadGap(V, g) {
 }
 
 // ---- run state ------------------------------------------------------------------------------------
+/**
+ * Keeps `run` (a command's answer) unless the page already has a newer state of it: the live
+ * update of a cancelled run can arrive before the answer to the cancel, which carries the run as
+ * the command left it (still running, cancel requested) and put Stop back on a stopped run.
+ */
+function keepRun(V, run) {
+  const known = V.runs.get(run.id);
+  if (!known || !(Date.parse(known.updatedAt) > Date.parse(run.updatedAt))) V.runs.set(run.id, run);
+}
+
 function shownRun(V) {
   let best = null;
   const t = r => Date.parse(r.createdAt) || 0;
@@ -976,7 +986,7 @@ function renderQueued() {
       try {
         const res = await api('POST', '/api/runs/' + r.id + '/cancel');
         const run = res && (res.run || (res.id ? res : null));
-        if (run && V.alive) { V.runs.set(run.id, run); renderAll(); }
+        if (run && V.alive) { keepRun(V, run); renderAll(); }
       } catch (err) { showError(err); e.target.disabled = false; }
     };
     return h('div', {class: 'msg user queued', 'data-testid': 'queued-turn', 'data-run-id': r.id, title: 'Sent after the current run finishes'},
@@ -1177,7 +1187,7 @@ async function cancelRun() {
   try {
     const res = await api('POST', '/api/runs/' + r.id + '/cancel');
     const run = res && (res.run || (res.id ? res : null));
-    if (run && V.alive) { V.runs.set(run.id, run); renderAll(); }
+    if (run && V.alive) { keepRun(V, run); renderAll(); }
   } catch (e) { showError(e); $('#stop').disabled = false; $('#cancel').disabled = false; }
 }
 
@@ -1357,7 +1367,7 @@ function drawGate(V) {
 
 function gateDone(V, run) {
   showError(null);
-  if (run && V.alive) V.runs.set(run.id, run);
+  if (run && V.alive) keepRun(V, run);
   renderAll();
 }
 

@@ -77,7 +77,25 @@ export function highlight(code, lang) {
 export const MARKDOWN_MAX_CHARS = 100000;
 
 const md = new MarkdownIt({html: true, linkify: false, breaks: false});
-md.renderer.rules.fence = (tokens, idx) => {
+// The same without raw HTML (shown as text), for texts with more tags than HTML_MAX_TAGS.
+const mdText = new MarkdownIt({html: false, linkify: false, breaks: false});
+
+/**
+ * Most raw HTML tags a text may hold and have them rendered; past it the text's HTML is shown as
+ * text. Markdown's own nesting is bounded (markdown-it's maxNesting), raw HTML's is not, and
+ * Chromium lays out deep nesting in time that grows faster than the nodes: 10,000 nested `<q>`
+ * (30 KB) froze the tab 35.6 s, 16,000-33,000 `<u>` or `<ul>` 4.7-6.4 s (verifier P, P-11).
+ */
+export const HTML_MAX_TAGS = 300;
+const TAG = /<\/?[A-Za-z]/g;
+const tooManyTags = text => {
+  let n = 0;
+  TAG.lastIndex = 0;
+  while (TAG.exec(text)) if (++n > HTML_MAX_TAGS) return true;
+  return false;
+};
+
+md.renderer.rules.fence = mdText.renderer.rules.fence = (tokens, idx) => {
   const {content, info} = tokens[idx];
   const language = (info || '').trim().split(/\s+/)[0].toLowerCase();
   return '<div class="codeblock"><div class="codehead"><span class="lang">' + escape(language || 'text') +
@@ -128,7 +146,7 @@ export function renderMarkdown(text) {
   text = tame(text || '');
   let html;
   if (text.length > MARKDOWN_MAX_CHARS) html = plain(text);
-  else try { html = md.render(text); } catch (_) { html = plain(text); }
+  else try { html = (tooManyTags(text) ? mdText : md).render(text); } catch (_) { html = plain(text); }
   return DOMPurify.sanitize(html, PURIFY);
 }
 
