@@ -205,17 +205,19 @@ impl Store {
     /// argument is encoded and sent, PostgreSQL's `statement_timeout` from when the statement
     /// starts, so a large argument or a slow client could see its own timeout first although
     /// the server would cancel soon after (a 12 MB import under load answered "may or may not
-    /// have taken effect"). A connection whose call failed without a server answer (or stayed
-    /// silent), or was refused as read-only, is discarded.
+    /// have taken effect"). A connection whose call was cancelled, failed without a server
+    /// answer, or was refused as read-only, is discarded.
     async fn attempt(&self, function: &'static str, arg: &Value, defer: bool) -> Result<Value, Fault> {
         let mut conn = self.pool.get().await.map_err(|e| fault::classify_pool(&e))?;
         let cancel = conn.client().cancel_token();
+        let mut cancelled = false;
         let answer = {
             let call = conn.call_json(function, arg, defer);
             tokio::pin!(call);
             match tokio::time::timeout(self.timing.call_timeout, &mut call).await {
                 Ok(answer) => Some(answer),
                 Err(_) => {
+                    cancelled = true;
                     metrics::counter!("agentloop_store_cancels_total", "function" => function).increment(1);
                     let grace = async {
                         let _ = cancel.cancel_query(tokio_postgres::NoTls).await;
@@ -225,31 +227,36 @@ impl Store {
                 }
             }
         };
+        let Some(answer) = answer else {
+            drop(deadpool::managed::Object::take(conn));
+            return Err(Fault::Unknown(format!(
+                "no answer within {} ms, nor {} ms after a cancel request",
+                self.timing.call_timeout.as_millis(),
+                CANCEL_GRACE.as_millis()
+            )));
+        };
+        // A cancel request may reach the server after the statement ended on its own: on a
+        // connection back in the pool it could stop the next caller's statement.
+        let keep = !cancelled;
         match answer {
-            Some(Ok(outcome)) => {
-                if let Some(unsent) = outcome.unsent {
+            Ok(outcome) => {
+                if outcome.unsent.is_some() || !keep {
                     drop(deadpool::managed::Object::take(conn));
+                }
+                if let Some(unsent) = outcome.unsent {
                     self.send_unsent(function, &unsent).await;
                 }
                 Ok(outcome.value)
             }
-            Some(Err(error)) => {
+            Err(error) => {
                 let fault = fault::classify(&error);
                 // A session that refused a write as read-only (25006) may stay read-only (it
                 // reached a standby, or a primary demoted by a failover): never reuse it.
                 let read_only = error.as_db_error().is_some_and(|db| db.code().code() == "25006");
-                if conn.is_closed() || read_only || matches!(fault, Fault::Unknown(_)) {
+                if !keep || conn.is_closed() || read_only || matches!(fault, Fault::Unknown(_)) {
                     drop(deadpool::managed::Object::take(conn));
                 }
                 Err(fault)
-            }
-            None => {
-                drop(deadpool::managed::Object::take(conn));
-                Err(Fault::Unknown(format!(
-                    "no answer within {} ms, nor {} ms after a cancel request",
-                    self.timing.call_timeout.as_millis(),
-                    CANCEL_GRACE.as_millis()
-                )))
             }
         }
     }
